@@ -1,0 +1,5 @@
+import sys
+
+from miles.cli.main import main
+
+sys.exit(main())

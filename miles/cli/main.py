@@ -1,0 +1,45 @@
+"""The `miles` entry point. Parses flags and reports usage errors before torch is imported."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from miles import __version__
+from miles.errors import UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one `error:` line, not argparse's usage block
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from miles.cli import train
+
+    parser = _Parser(prog="miles", description="RL post-training of LLMs (GRPO family) with the debugging "
+                                              "workflow built in.")
+    parser.add_argument("--version", action="version", version=f"miles {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    train.register(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 2
+        return args.run(args) or 0
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

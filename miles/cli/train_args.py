@@ -1,0 +1,144 @@
+"""Flags of `miles train`, in the groups `--help` shows, and their validation.
+
+Names follow Miles/slime so existing launch scripts read the same. Everything here runs before
+torch is imported: `--help` is instant and a bad flag costs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from miles.errors import UsageError
+
+ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus")
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+ATTENTION_BACKENDS = ("sdpa", "eager", "flash")
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and checkpoints")
+    g.add_argument("--hf-checkpoint", metavar="DIR", help="HF causal LM + tokenizer dir (default: the demo model, SmolLM2-135M-Instruct)")
+    g.add_argument("--ref-load", metavar="DIR", help="reference model for the KL (default: the initial policy)")
+    g.add_argument("--load", metavar="DIR", help="resume from the latest complete checkpoint under DIR (a run's checkpoints/ or one step_N)")
+    g.add_argument("--save", metavar="DIR", help="where checkpoints go (default: OUTPUT_DIR/checkpoints)")
+    g.add_argument("--save-interval", type=int, metavar="N", help="save every N rollout steps (the last step is always saved)")
+    g.add_argument("--output-dir", metavar="DIR", help="run directory (default: runs/<timestamp>)")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--prompt-data", metavar="PATH", help=".jsonl or .parquet prompts (default: the bundled arithmetic task)")
+    g.add_argument("--input-key", default=None, help="row key holding the prompt: text or chat messages (default: prompt)")
+    g.add_argument("--label-key", default=None, help="row key holding the ground truth for the reward")
+    g.add_argument("--apply-chat-template", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap prompts in the tokenizer's chat template (default: on for the bundled task, off otherwise)")
+    g.add_argument("--rollout-shuffle", action="store_true", help="shuffle prompts each epoch (seeded by --seed)")
+    g.add_argument("--rollout-max-prompt-len", type=int, metavar="N", help="drop prompts longer than N tokens")
+
+    g = p.add_argument_group("rollout")
+    g.add_argument("--rollout-batch-size", type=int, default=8, help="prompts per rollout (default: 8)")
+    g.add_argument("--n-samples-per-prompt", type=int, default=4, help="responses per prompt, a GRPO group (default: 4)")
+    g.add_argument("--rollout-max-response-len", type=int, default=24, help="max new tokens per response (default: 24)")
+    g.add_argument("--rollout-temperature", type=float, default=0.7, help="sampling temperature; 0 is greedy (default: 0.7)")
+    g.add_argument("--rollout-top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
+    g.add_argument("--rm-type", default=None, help="reward function: math, exact (default: math)")
+    g.add_argument("--custom-rm-path", metavar="MODULE:FUNCTION", help="custom reward, fn(sample) -> float (async allowed)")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--num-rollout", type=int, default=4, help="rollout steps in the whole run, counted from step 1 (default: 4)")
+    g.add_argument("--num-steps-per-rollout", type=int, default=None, help="optimizer steps per rollout (default: 1)")
+    g.add_argument("--global-batch-size", type=int, default=None, help="samples per optimizer step (default: all samples of the rollout)")
+    g.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward/backward; gradients accumulate (default: 8)")
+    g.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate (default: 2e-5)")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: 0)")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="max gradient norm; 0 disables (default: 1.0)")
+    g.add_argument("--advantage-estimator", choices=ADVANTAGE_ESTIMATORS, default="grpo")
+    g.add_argument("--eps-clip", type=float, default=0.2, help="PPO clip range, lower side (default: 0.2)")
+    g.add_argument("--eps-clip-high", type=float, default=None, help="PPO clip range, upper side (default: --eps-clip)")
+    g.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty folded into the reward (default: 0)")
+    g.add_argument("--use-kl-loss", action="store_true", help="add a KL(policy || ref) term to the loss")
+    g.add_argument("--kl-loss-coef", type=float, default=0.0, help="weight of the KL loss (default: 0)")
+    g.add_argument("--kl-loss-type", choices=KL_TYPES, default="k1", help="KL estimator (default: k1)")
+    g.add_argument("--use-tis", action="store_true", help="truncated importance sampling on the trainer/engine ratio")
+    g.add_argument("--tis-clip", type=float, default=2.0, help="upper clip of the TIS weight (default: 2.0)")
+    g.add_argument("--seed", type=int, default=42)
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="sdpa",
+                   help="attention kernels of trainer and engine; flash needs flash-attn (default: sdpa)")
+    g.add_argument("--precision", choices=("fp32", "bf16"), default=None,
+                   help="compute precision (default: bf16 on GPU, fp32 on CPU); master weights stay fp32")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--use-tensorboard", action="store_true", help="also write TensorBoard events to OUTPUT_DIR/tensorboard")
+    g.add_argument("--use-wandb", action="store_true", help="also log to Weights & Biases (WANDB_MODE=offline works without network)")
+    g.add_argument("--wandb-project", default="miles")
+    g.add_argument("--wandb-group", default=None)
+
+
+def _positive(args: argparse.Namespace, *names: str, allow_zero: bool = False) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is None:
+            continue
+        if value < 0 or (value == 0 and not allow_zero):
+            bound = ">= 0" if allow_zero else "> 0"
+            raise UsageError(f"--{name.replace('_', '-')} must be {bound} (got {value})")
+
+
+def validate_train_args(args: argparse.Namespace) -> None:
+    """Checks flags that need no data and no model. Raises UsageError naming the flag."""
+    _positive(args, "rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len", "num_rollout",
+              "num_steps_per_rollout", "global_batch_size", "micro_batch_size", "save_interval",
+              "rollout_max_prompt_len", "lr", "tis_clip")
+    _positive(args, "rollout_temperature", "clip_grad", "eps_clip", "eps_clip_high", "kl_coef",
+              "kl_loss_coef", "weight_decay", allow_zero=True)
+    if not 0 < args.rollout_top_p <= 1:
+        raise UsageError(f"--rollout-top-p must be in (0, 1] (got {args.rollout_top_p})")
+
+    n_samples = args.rollout_batch_size * args.n_samples_per_prompt
+    steps, gbs = args.num_steps_per_rollout, args.global_batch_size
+    if steps is None and gbs is None:
+        steps, gbs = 1, n_samples
+    elif gbs is None:
+        gbs = n_samples // steps
+    elif steps is None:
+        steps = n_samples // gbs
+    if gbs * steps != n_samples or gbs == 0:
+        raise UsageError(
+            f"--global-batch-size {gbs} x --num-steps-per-rollout {steps} must equal the samples of a rollout, "
+            f"--rollout-batch-size x --n-samples-per-prompt = {n_samples}")
+    if gbs % args.n_samples_per_prompt:
+        raise UsageError(f"--global-batch-size {gbs} must hold whole groups of --n-samples-per-prompt {args.n_samples_per_prompt}")
+    args.num_steps_per_rollout, args.global_batch_size = steps, gbs
+    args.micro_batch_size = min(args.micro_batch_size, gbs)
+    if gbs % args.micro_batch_size:
+        raise UsageError(f"--micro-batch-size {args.micro_batch_size} must divide --global-batch-size {gbs}")
+    if args.eps_clip_high is None:
+        args.eps_clip_high = args.eps_clip
+    if args.use_kl_loss and args.kl_loss_coef == 0:
+        raise UsageError("--use-kl-loss needs --kl-loss-coef > 0 (a zero coefficient trains no KL)")
+
+    for flag in ("hf_checkpoint", "ref_load"):
+        path = getattr(args, flag)
+        if path is not None and not Path(path, "config.json").is_file():
+            raise UsageError(f"--{flag.replace('_', '-')} {path}: not a Hugging Face model dir (no config.json)")
+    if args.load is not None and not Path(args.load).is_dir():
+        raise UsageError(f"--load {args.load}: no such directory")
+    if args.output_dir is None:
+        from datetime import datetime
+
+        args.output_dir = os.path.join("runs", datetime.now().strftime("%Y%m%d-%H%M%S"))
+    if Path(args.output_dir, "metrics.jsonl").exists() and args.load is None:
+        raise UsageError(f"--output-dir {args.output_dir} already holds a run; pick a new dir, "
+                         f"or resume it with --load {os.path.join(args.output_dir, 'checkpoints')}")
+    if args.use_tensorboard:
+        _require("tensorboard", "--use-tensorboard")
+    if args.use_wandb:
+        _require("wandb", "--use-wandb")
+
+
+def _require(module: str, flag: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise UsageError(f"{flag} needs the '{module}' package: pip install {module}")

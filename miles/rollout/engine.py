@@ -1,0 +1,140 @@
+"""miles' embedded rollout engine: batched sampling with a KV cache over an HF model's modules.
+
+The engine owns its own copy of the weights, as a real inference engine does; the trainer
+reaches it only through `update_weights` (see miles/bridge/weight_sync.py).
+
+Decoding is split into `_prefill` and `_decode_step` over a cache object so a static KV cache
+and CUDA-graph capture of the decode step can replace them without touching the loop.
+
+Log-probs: the engine reports, for each sampled token, its log-probability under the
+temperature-scaled distribution before top-p truncation — the same quantity the trainer
+computes (logits / temperature), as in SGLang and slime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+from miles.config import SamplingParams
+
+
+@dataclass
+class GenerationOutput:
+    token_ids: list[int]
+    log_probs: list[float]  # one per token in token_ids
+    finish_reason: str  # "stop" (sampled an EOS token) or "length" (hit max_new_tokens)
+
+
+def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None):
+    """Samples one token per row of `logits` (B, V); returns (tokens (B,), log_probs (B,))."""
+    logits = logits.float()
+    if sampling.temperature == 0:
+        log_probs = torch.log_softmax(logits, dim=-1)
+        tokens = log_probs.argmax(dim=-1)
+        return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+    log_probs = torch.log_softmax(logits / sampling.temperature, dim=-1)
+    probs = log_probs.exp()
+    if sampling.top_p < 1.0:
+        # Keep the smallest prefix of the sorted distribution whose mass reaches top_p.
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > sampling.top_p
+        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class LocalEngine:
+    def __init__(self, model, *, eos_token_ids: list[int], pad_token_id: int):
+        self.model = model.eval()
+        # transformers renamed `past_key_values` to `cache` (5.2x); speak whichever this one has.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.eos_token_ids = eos_token_ids
+        self.pad_token_id = pad_token_id
+        self.device = next(model.parameters()).device
+
+    # -- weights: the receiving end of the weight-sync interface --------------------------------
+
+    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        return self.model.named_parameters()
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise KeyError(f"engine has no parameter named {name!r}")
+            params[name].copy_(tensor)  # casts to the engine's dtype and device
+
+    # -- generation ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        generator: torch.Generator | None = None,
+        on_step: Callable[[int], None] | None = None,
+    ) -> list[GenerationOutput]:
+        """Generates one response per prompt (token ids). `on_step(n)` is told of each decode step."""
+        batch = len(prompts)
+        input_ids, attention_mask = self._left_pad(prompts)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        logits = self._prefill(input_ids, attention_mask, position_ids, cache)
+
+        eos = torch.tensor(self.eos_token_ids, device=self.device)
+        done = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        tokens, log_probs, stopped = [], [], []
+        next_pos = position_ids[:, -1:] + 1
+        for step in range(sampling.max_new_tokens):
+            tok, logp = sample_tokens(logits, sampling, generator)
+            tok = tok.masked_fill(done, self.pad_token_id)
+            tokens.append(tok)
+            log_probs.append(logp)
+            hit_eos = torch.isin(tok, eos) & ~done
+            stopped.append(hit_eos)
+            done |= hit_eos
+            if on_step is not None:
+                on_step(step + 1)
+            if bool(done.all()) or step + 1 == sampling.max_new_tokens:
+                break
+            attention_mask = torch.cat([attention_mask, (~done)[:, None].long()], dim=-1)
+            logits = self._decode_step(tok[:, None], attention_mask, next_pos, cache)
+            next_pos = next_pos + 1
+        return self._collect(torch.stack(tokens, 1), torch.stack(log_probs, 1), torch.stack(stopped, 1))
+
+    def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    def _prefill(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=True, logits_to_keep=1, **{self._cache_kwarg: cache})
+        return out.logits[:, -1]  # (B, V)
+
+    def _decode_step(self, last_tokens, attention_mask, position_ids, cache) -> torch.Tensor:
+        out = self.model(input_ids=last_tokens, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=True, **{self._cache_kwarg: cache})
+        return out.logits[:, -1]  # (B, V)
+
+    @staticmethod
+    def _collect(tokens: torch.Tensor, log_probs: torch.Tensor, stopped: torch.Tensor) -> list[GenerationOutput]:
+        """Cuts each row (B, steps) after its EOS token (kept: the model must learn to stop)."""
+        outputs = []
+        for tok, logp, stop in zip(tokens.tolist(), log_probs.tolist(), stopped.tolist()):
+            end = stop.index(True) + 1 if True in stop else len(tok)
+            outputs.append(GenerationOutput(tok[:end], logp[:end], "stop" if True in stop else "length"))
+        return outputs

@@ -1,0 +1,76 @@
+"""The rollout side: prompts -> generation -> reward -> `Sample`s.
+
+`RolloutManager.generate(rollout_id)` is the only call the training loop makes into this side;
+what it returns (a list of `Sample`) is the only thing that crosses over to training.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from miles.bridge.types import Sample, Status
+from miles.config import RolloutConfig
+from miles.data.prompts import PromptDataset, render_prompt
+from miles.rollout.engine import LocalEngine
+from miles.rollout.rewards import RewardFn
+from miles.utils.progress import Progress
+
+logger = logging.getLogger("miles")
+
+_FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED}
+
+
+class RolloutManager:
+    def __init__(self, cfg: RolloutConfig, engine: LocalEngine, tokenizer, dataset: PromptDataset,
+                 reward_fn: RewardFn):
+        self.cfg = cfg
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.dataset = dataset
+        self.reward_fn = reward_fn
+        self.last_stats: dict[str, float] = {}
+
+    def generate(self, rollout_id: int) -> list[Sample]:
+        cfg = self.cfg
+        records = self.dataset.next_batch(cfg.batch_size)
+        prompts = [self.tokenize(r.prompt) for r in records]
+        # Each prompt repeated n times, group by group: sample i answers prompt i // n.
+        flat_prompts = [p for p in prompts for _ in range(cfg.n_samples_per_prompt)]
+
+        generator = torch.Generator(device=self.engine.device)
+        generator.manual_seed(cfg.seed * 1_000_003 + rollout_id)
+        start = time.perf_counter()
+        with Progress(f"rollout {rollout_id} generating", total=cfg.sampling.max_new_tokens) as bar:
+            outputs = self.engine.generate(flat_prompts, cfg.sampling, generator, on_step=bar.update_to)
+        gen_time = time.perf_counter() - start
+
+        samples = []
+        for i, (prompt_ids, out) in enumerate(zip(flat_prompts, outputs)):
+            record = records[i // cfg.n_samples_per_prompt]
+            sample = Sample(
+                group_index=i // cfg.n_samples_per_prompt,
+                index=i,
+                prompt=record.prompt,
+                tokens=prompt_ids + out.token_ids,
+                response=self.tokenizer.decode(out.token_ids, skip_special_tokens=True),
+                response_length=len(out.token_ids),
+                label=record.label,
+                loss_mask=[1] * len(out.token_ids),
+                rollout_log_probs=out.log_probs,
+                status=_FINISH_STATUS[out.finish_reason],
+                metadata=dict(record.metadata),
+            )
+            sample.reward = float(self.reward_fn(sample))
+            samples.append(sample)
+
+        n_tokens = sum(s.response_length for s in samples)
+        self.last_stats = {"perf/rollout_time_s": gen_time, "perf/rollout_tok_s": n_tokens / max(gen_time, 1e-9)}
+        return samples
+
+    def tokenize(self, prompt) -> list[int]:
+        text = render_prompt(prompt, self.tokenizer, self.cfg.apply_chat_template)
+        # The chat template already holds any BOS the model wants; don't add special tokens twice.
+        return self.tokenizer(text, add_special_tokens=not self.cfg.apply_chat_template)["input_ids"]

@@ -1,0 +1,124 @@
+"""The training side: one rollout of `Sample`s in, optimizer steps and metrics out.
+
+Per rollout: score the samples with the current policy (the PPO "old" log-probs) and with the
+reference model; turn rewards into advantages; then `num_steps_per_rollout` optimizer steps, each
+over `global_batch_size` samples in micro-batches of `micro_batch_size` with accumulated grads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from miles.bridge.types import Sample
+from miles.config import TrainConfig
+from miles.train.advantages import ADVANTAGE_ESTIMATORS
+from miles.train.batch import TrainBatch, response_log_probs
+from miles.train.losses import KL_ESTIMATORS, aggregate, masked_mean, policy_loss, tis_weights
+from miles.utils.progress import Progress
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, model, ref_model, *, pad_token_id: int, precision: str):
+        self.cfg = cfg
+        self.model = model.train()
+        self.ref_model = ref_model.eval() if ref_model is not None else None
+        self.pad_token_id = pad_token_id
+        self.device = next(model.parameters()).device
+        self.autocast_dtype = torch.bfloat16 if precision == "bf16" else None
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    @torch.no_grad()
+    def _score(self, model, batch: TrainBatch) -> torch.Tensor:
+        """Log-probs (B, R) of the response tokens, micro-batch by micro-batch, no gradient."""
+        mbs, out = self.cfg.micro_batch_size, []
+        for start in range(0, batch.rewards.numel(), mbs):
+            with self._autocast():
+                logp, _ = response_log_probs(model, batch.rows(start, start + mbs), self.cfg.rollout_temperature)
+            out.append(logp)
+        return torch.cat(out)
+
+    def train(self, samples: list[Sample]) -> dict[str, float]:
+        cfg = self.cfg
+        batch = TrainBatch.from_samples(samples, self.pad_token_id, self.device)
+        mask = batch.mask
+        old_log_probs = self._score(self.model, batch)
+        ref_log_probs = self._score(self.ref_model, batch) if self.ref_model is not None else None
+        kl = KL_ESTIMATORS[cfg.kl_loss_type](old_log_probs, ref_log_probs) if ref_log_probs is not None else None
+        advantages = ADVANTAGE_ESTIMATORS[cfg.advantage_estimator](
+            batch.rewards, kl, mask, group_size=cfg.n_samples_per_prompt, kl_coef=cfg.kl_coef)
+
+        logp_diff = (old_log_probs - batch.rollout_log_probs).abs() * mask
+        metrics = {
+            "rollout/log_probs": masked_mean(old_log_probs, mask).item(),
+            "rollout/rollout_log_probs": masked_mean(batch.rollout_log_probs, mask).item(),
+            "rollout/advantages": masked_mean(advantages, mask).item(),
+            "train/train_rollout_logprob_abs_diff": masked_mean(logp_diff, mask).item(),
+            "forward_logp_max_diff": logp_diff.max().item(),
+        }
+        if ref_log_probs is not None:
+            metrics["rollout/ref_log_probs"] = masked_mean(ref_log_probs, mask).item()
+            metrics["rollout/kl"] = masked_mean(kl, mask).item()
+
+        step_metrics = []
+        gbs, mbs = cfg.global_batch_size, cfg.micro_batch_size
+        with Progress("training", total=batch.rewards.numel() // mbs) as bar:
+            for step in range(cfg.num_steps_per_rollout):
+                self.optimizer.zero_grad(set_to_none=True)
+                sums: dict[str, float] = {}
+                for start in range(step * gbs, (step + 1) * gbs, mbs):
+                    rows = slice(start, start + mbs)
+                    for key, value in self._micro_step(batch.rows(start, start + mbs), advantages[rows],
+                                                       old_log_probs[rows], ref_log_probs, rows).items():
+                        sums[key] = sums.get(key, 0.0) + value
+                    bar.advance()
+                max_norm = cfg.clip_grad if cfg.clip_grad > 0 else math.inf
+                sums["train/grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
+                self.optimizer.step()
+                step_metrics.append(sums)
+        for key in step_metrics[0]:
+            metrics[key] = sum(m[key] for m in step_metrics) / len(step_metrics)
+        return metrics
+
+    def _micro_step(self, mb: TrainBatch, advantages, old_log_probs, ref_log_probs, rows) -> dict[str, float]:
+        """Forward + backward of one micro-batch. Returns its share of the step's metrics."""
+        cfg, gbs = self.cfg, self.cfg.global_batch_size
+        with self._autocast():
+            log_probs, entropy = response_log_probs(self.model, mb, cfg.rollout_temperature, with_entropy=True)
+        pg, clipped, ppo_kl = policy_loss(log_probs, old_log_probs, advantages, mb.mask, eps_clip=cfg.eps_clip,
+                                          eps_clip_high=cfg.eps_clip_high,
+                                          sequence_level_ratio=cfg.advantage_estimator == "gspo")
+        out = {}
+        if cfg.use_tis:
+            weights, tis_clipped = tis_weights(old_log_probs, mb.rollout_log_probs, cfg.tis_clip)
+            pg = pg * weights
+            out["train/tis_mean"] = aggregate(weights, mb.mask, gbs).item()
+            out["train/tis_clipfrac"] = aggregate(tis_clipped, mb.mask, gbs).item()
+        pg_loss = aggregate(pg, mb.mask, gbs)
+        loss = pg_loss
+        if cfg.use_kl_loss:
+            kl_loss = aggregate(KL_ESTIMATORS[cfg.kl_loss_type](log_probs, ref_log_probs[rows]), mb.mask, gbs)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            out["train/kl_loss"] = kl_loss.item()
+        loss.backward()
+        out.update({
+            "train/loss": loss.item(),
+            "train/pg_loss": pg_loss.item(),
+            "train/pg_clipfrac": aggregate(clipped, mb.mask, gbs).item(),
+            "train/ppo_kl": aggregate(ppo_kl, mb.mask, gbs).item(),
+            "train/entropy": aggregate(entropy, mb.mask, gbs).item(),
+        })
+        return out
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])

@@ -1,0 +1,73 @@
+"""The run's outputs: `train.log` (also on stdout) and `metrics.jsonl` (+ TensorBoard, W&B)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+
+logger = logging.getLogger("miles")
+
+
+def setup_logging(output_dir: Path) -> None:
+    """Sends the `miles` logger to OUTPUT_DIR/train.log and stdout, same lines in both."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+    logger.handlers.clear()
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    for handler in (logging.FileHandler(output_dir / "train.log"), logging.StreamHandler(sys.stdout)):
+        handler.setFormatter(fmt)
+        logger.addHandler(handler)
+
+
+def close_logging() -> None:
+    for handler in list(logger.handlers):
+        handler.close()
+        logger.removeHandler(handler)
+
+
+class MetricsWriter:
+    """One JSON object per step in metrics.jsonl, flushed at once; optional TB / W&B sinks."""
+
+    def __init__(self, output_dir: Path, *, tensorboard: bool, wandb_project: str | None,
+                 wandb_group: str | None, config: dict):
+        self._file = open(output_dir / "metrics.jsonl", "a")
+        self._tb = None
+        self._wandb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(output_dir / "tensorboard"))
+        if wandb_project is not None:
+            import wandb
+
+            self._wandb = wandb.init(project=wandb_project, group=wandb_group, dir=str(output_dir),
+                                     config=config, name=output_dir.name)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, **{k: _json_number(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in metrics.items():
+                self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _json_number(value: float):
+    # JSON has no NaN/Inf; write them as strings users (and `miles doctor`) can still read.
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value

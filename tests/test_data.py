@@ -1,0 +1,409 @@
+"""Tests for miles.data.prompts: loading/validating --prompt-data, rendering, and the dataset walk."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from miles.data.prompts import (
+    BUNDLED_INPUT_KEY,
+    BUNDLED_LABEL_KEY,
+    BUNDLED_TASK,
+    PromptData,
+    PromptDataset,
+    PromptRecord,
+    load_prompt_data,
+    render_prompt,
+)
+from miles.errors import UsageError
+
+GSM8K = Path("/work/shared/data/gsm8k/train.jsonl")
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def load_err(path, input_key="prompt", label_key=None) -> str:
+    with pytest.raises(UsageError) as ei:
+        load_prompt_data(str(path), input_key, label_key)
+    msg = str(ei.value)
+    assert "\n" not in msg  # one `error:` line for the user
+    return msg
+
+
+# ---------------------------------------------------------------- loading
+
+
+def test_jsonl_basic(tmp_path):
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "label": 1, "id": 7}, {"prompt": "b", "label": 2, "id": 8}])
+    data = load_prompt_data(p, "prompt", "label")
+    assert isinstance(data, PromptData)
+    assert len(data) == 2 and data.path == p and data.missing_labels == 0
+    assert data.keys == ["prompt", "label", "id"]
+    assert data.records[0] == PromptRecord(prompt="a", label=1, metadata={"id": 7})
+
+
+def test_jsonl_blank_lines_skipped(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('\n{"prompt": "a"}\n\n   \n{"prompt": "b"}\n\n')
+    data = load_prompt_data(str(p), "prompt", None)
+    assert [r.prompt for r in data.records] == ["a", "b"]
+    assert all(r.label is None for r in data.records) and data.missing_labels == 0
+
+
+def test_no_label_key_keeps_label_in_metadata(tmp_path):
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "label": "x"}])
+    rec = load_prompt_data(p, "prompt", None).records[0]
+    assert rec.label is None and rec.metadata == {"label": "x"}
+
+
+def test_json_list(tmp_path):
+    p = tmp_path / "d.json"
+    p.write_text(json.dumps([{"q": "a", "y": "1"}, {"q": "b", "y": "2"}]))
+    data = load_prompt_data(str(p), "q", "y")
+    assert [(r.prompt, r.label) for r in data.records] == [("a", "1"), ("b", "2")]
+
+
+def test_json_not_a_list(tmp_path):
+    p = tmp_path / "d.json"
+    p.write_text(json.dumps({"q": "a"}))
+    msg = load_err(p, "q")
+    assert "--prompt-data" in msg and str(p) in msg and "list" in msg
+
+
+def test_json_that_is_really_jsonl(tmp_path):
+    p = tmp_path / "d.json"
+    p.write_text('{"q": "a"}\n{"q": "b"}\n')
+    msg = load_err(p, "q")
+    assert f"{p} line 2: invalid JSON" in msg and ".jsonl" in msg
+
+
+def test_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    p = tmp_path / "d.parquet"
+    table = pa.table(
+        {
+            "question": ["1+1?", "2+2?", "3+3?"],
+            "answer": ["2", None, "6"],
+            "src": ["x", "y", "z"],
+        }
+    )
+    pq.write_table(table, p)
+    data = load_prompt_data(str(p), "question", "answer")
+    assert [r.prompt for r in data.records] == ["1+1?", "2+2?", "3+3?"]
+    assert [r.label for r in data.records] == ["2", None, "6"]
+    assert data.missing_labels == 1
+    assert data.records[0].metadata == {"src": "x"}
+    assert data.keys == ["question", "answer", "src"]
+
+
+def test_parquet_messages(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    p = tmp_path / "d.parquet"
+    msgs = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]]
+    pq.write_table(pa.table({"messages": msgs, "label": ["x"]}), p)
+    data = load_prompt_data(str(p), "messages", "label")
+    assert data.records[0].prompt == msgs[0]
+
+
+def test_parquet_missing_input_key(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    p = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"question": ["a"], "answer": ["b"]}), p)
+    msg = load_err(p, "prompt")
+    assert msg == f"--input-key 'prompt' not found in {p} row 1; keys present: question, answer"
+
+
+def test_corrupt_parquet(tmp_path):
+    p = tmp_path / "d.parquet"
+    p.write_bytes(b"this is not parquet")
+    msg = load_err(p)
+    assert "--prompt-data" in msg and str(p) in msg and "parquet" in msg
+
+
+def test_messages_input(tmp_path):
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    p = write_jsonl(tmp_path / "d.jsonl", [{"messages": msgs, "label": "1"}])
+    assert load_prompt_data(p, "messages", "label").records[0].prompt == msgs
+
+
+def test_missing_labels_counted(tmp_path):
+    rows = [{"prompt": "a", "label": "1"}, {"prompt": "b"}, {"prompt": "c", "label": None}, {"prompt": "d", "label": 0}]
+    data = load_prompt_data(write_jsonl(tmp_path / "d.jsonl", rows), "prompt", "label")
+    assert data.missing_labels == 2
+    assert [r.label for r in data.records] == ["1", None, None, 0]
+
+
+# ---------------------------------------------------------------- load errors
+
+
+def test_missing_file(tmp_path):
+    p = tmp_path / "nope.jsonl"
+    assert load_err(p) == f"--prompt-data: no such file: {p}"
+
+
+def test_directory(tmp_path):
+    msg = load_err(tmp_path)
+    assert "--prompt-data" in msg and "not a file" in msg
+
+
+def test_unsupported_extension(tmp_path):
+    p = tmp_path / "d.csv"
+    p.write_text("prompt,label\na,1\n")
+    msg = load_err(p)
+    assert "--prompt-data" in msg and "'.csv'" in msg and ".jsonl" in msg and ".parquet" in msg
+
+
+def test_invalid_json_line(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"prompt": "a"}\n\n{"prompt": "b",}\n')
+    msg = load_err(p)
+    assert msg.startswith(f"{p} line 3: invalid JSON (")
+
+
+def test_non_object_row(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"prompt": "a"}\n["prompt", "b"]\n')
+    msg = load_err(p)
+    assert msg.startswith(f"{p} line 2:") and "object" in msg and "list" in msg
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n"])
+def test_empty_jsonl(tmp_path, content):
+    p = tmp_path / "d.jsonl"
+    p.write_text(content)
+    msg = load_err(p)
+    assert "--prompt-data" in msg and str(p) in msg and "no rows" in msg
+
+
+def test_empty_json_list(tmp_path):
+    p = tmp_path / "d.json"
+    p.write_text("[]")
+    assert "no rows" in load_err(p)
+
+
+def test_not_utf8(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(b'{"prompt": "\xff\xfe"}\n')
+    msg = load_err(p)
+    assert "--prompt-data" in msg and "UTF-8" in msg
+
+
+def test_input_key_missing_names_line_flag_and_keys(tmp_path):
+    p = tmp_path / "d.jsonl"
+    write_jsonl(p, [{"question": "q", "answer": "a"}])
+    assert load_err(p, "prompt") == f"--input-key 'prompt' not found in {p} line 1; keys present: question, answer"
+
+
+def test_input_key_missing_later_row_and_suggestion(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"question": "q"}\n\n{"questoin": "q"}\n')
+    msg = load_err(p, "question")
+    assert f"not found in {p} line 3" in msg and "keys present: questoin" in msg and "did you mean" in msg
+
+
+def test_input_key_missing_json_item(tmp_path):
+    p = tmp_path / "d.json"
+    p.write_text(json.dumps([{"q": "a"}, {"x": "b"}]))
+    msg = load_err(p, "q")
+    assert f"not found in {p} item 2" in msg and "keys present: x" in msg
+
+
+@pytest.mark.parametrize(
+    "value, kind",
+    [
+        (5, "int"),
+        (None, "NoneType"),
+        ({"role": "user", "content": "x"}, "dict"),
+        ([], "list"),
+    ],
+)
+def test_input_value_bad_type(tmp_path, value, kind):
+    p = tmp_path / "d.jsonl"
+    write_jsonl(p, [{"prompt": "ok"}, {"prompt": value}])
+    msg = load_err(p)
+    assert msg.startswith(f"{p} line 2:") and "--input-key 'prompt'" in msg and kind in msg
+
+
+@pytest.mark.parametrize("bad", [["just", "strings"], [{"role": "user"}], [{"content": "x"}], [{"role": "user", "content": 3}]])
+def test_input_value_bad_messages(tmp_path, bad):
+    p = tmp_path / "d.jsonl"
+    write_jsonl(p, [{"prompt": bad}])
+    msg = load_err(p)
+    assert msg.startswith(f"{p} line 1:") and "--input-key 'prompt'" in msg and "role" in msg and "content" in msg
+
+
+def test_label_key_absent_everywhere(tmp_path):
+    p = tmp_path / "d.jsonl"
+    write_jsonl(p, [{"question": "q1", "answer": "1"}, {"question": "q2", "answer": "2", "extra": 0}])
+    msg = load_err(p, "question", "anwser")
+    assert msg.startswith(f"--label-key 'anwser' not found in any row of {p}; keys present: question, answer, extra")
+    assert "did you mean 'answer'" in msg
+
+
+def test_label_key_null_everywhere(tmp_path):
+    p = tmp_path / "d.jsonl"
+    write_jsonl(p, [{"prompt": "q1", "label": None}, {"prompt": "q2", "label": None}])
+    assert "--label-key 'label'" in load_err(p, "prompt", "label")
+
+
+# ---------------------------------------------------------------- render_prompt
+
+
+class FakeTokenizer:
+    def __init__(self, chat_template="{{ fake }}"):
+        self.chat_template = chat_template
+        self.calls = []
+
+    def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False):
+        self.calls.append((messages, tokenize, add_generation_prompt))
+        body = "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
+        return body + ("<assistant>" if add_generation_prompt else "")
+
+
+def test_render_string_with_template():
+    tok = FakeTokenizer()
+    assert render_prompt("2+2?", tok, True) == "<user>2+2?</user><assistant>"
+    assert tok.calls == [([{"role": "user", "content": "2+2?"}], False, True)]
+
+
+def test_render_messages_with_template():
+    tok = FakeTokenizer()
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    assert render_prompt(msgs, tok, True) == "<system>s</system><user>u</user><assistant>"
+    assert tok.calls[0][0] == msgs
+
+
+@pytest.mark.parametrize("template", [None, ""])
+def test_render_no_chat_template(template):
+    with pytest.raises(UsageError) as ei:
+        render_prompt("hi", FakeTokenizer(template), True)
+    msg = str(ei.value)
+    assert "no chat template" in msg and "--apply-chat-template" in msg and "instruct" in msg
+
+
+def test_render_string_without_template():
+    tok = FakeTokenizer()
+    assert render_prompt("raw text", tok, False) == "raw text"
+    assert tok.calls == []
+
+
+def test_render_messages_without_flag():
+    with pytest.raises(UsageError) as ei:
+        render_prompt([{"role": "user", "content": "u"}], FakeTokenizer(), False)
+    assert "pass --apply-chat-template" in str(ei.value)
+
+
+# ---------------------------------------------------------------- PromptDataset
+
+
+def recs(n):
+    return [PromptRecord(prompt=f"p{i}", label=i, metadata={}) for i in range(n)]
+
+
+def labels(batch):
+    return [r.label for r in batch]
+
+
+def test_dataset_in_order_and_wraps():
+    ds = PromptDataset(recs(5), shuffle=False, seed=0)
+    assert labels(ds.next_batch(2)) == [0, 1]
+    assert labels(ds.next_batch(2)) == [2, 3]
+    assert ds.state_dict() == {"epoch": 0, "offset": 4}
+    assert labels(ds.next_batch(3)) == [4, 0, 1]  # wraps into epoch 1
+    assert ds.state_dict() == {"epoch": 1, "offset": 2}
+    assert labels(ds.next_batch(3)) == [2, 3, 4]
+    assert ds.state_dict() == {"epoch": 2, "offset": 0}
+
+
+def test_dataset_batch_larger_than_data():
+    ds = PromptDataset(recs(3), shuffle=False, seed=0)
+    assert labels(ds.next_batch(7)) == [0, 1, 2, 0, 1, 2, 0]
+    assert ds.state_dict() == {"epoch": 2, "offset": 1}
+
+
+def test_dataset_shuffle_is_permutation_per_epoch_and_deterministic():
+    n = 20
+    a = PromptDataset(recs(n), shuffle=True, seed=3)
+    b = PromptDataset(recs(n), shuffle=True, seed=3)
+    ea1, ea2 = labels(a.next_batch(n)), labels(a.next_batch(n))
+    assert sorted(ea1) == list(range(n)) and sorted(ea2) == list(range(n))
+    assert ea1 != list(range(n))  # actually shuffled
+    assert ea1 != ea2  # reshuffled each epoch
+    assert labels(b.next_batch(n)) + labels(b.next_batch(n)) == ea1 + ea2  # same seed, same order
+    c = PromptDataset(recs(n), shuffle=True, seed=4)
+    assert labels(c.next_batch(n)) != ea1  # different seed, different order
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_dataset_resume_matches_uninterrupted(shuffle):
+    data = recs(11)
+    full = PromptDataset(data, shuffle=shuffle, seed=42)
+    expected = [labels(full.next_batch(4)) for _ in range(10)]
+
+    first = PromptDataset(data, shuffle=shuffle, seed=42)
+    got = [labels(first.next_batch(4)) for _ in range(4)]
+    state = json.loads(json.dumps(first.state_dict()))  # survives a checkpoint round trip
+    resumed = PromptDataset(data, shuffle=shuffle, seed=42)
+    resumed.load_state_dict(state)
+    got += [labels(resumed.next_batch(4)) for _ in range(6)]
+    assert got == expected
+
+
+def test_dataset_bad_state_and_args():
+    ds = PromptDataset(recs(3), shuffle=False, seed=0)
+    with pytest.raises(UsageError, match="--prompt-data"):
+        ds.load_state_dict({"epoch": 0, "offset": 5})
+    with pytest.raises(ValueError):
+        ds.next_batch(0)
+    with pytest.raises(ValueError):
+        PromptDataset([], shuffle=False, seed=0)
+
+
+# ---------------------------------------------------------------- bundled task and real data
+
+
+def test_bundled_task():
+    assert BUNDLED_TASK.is_file()
+    data = load_prompt_data(str(BUNDLED_TASK), BUNDLED_INPUT_KEY, BUNDLED_LABEL_KEY)
+    assert len(data.records) == 241 and data.missing_labels == 0
+    sums = []
+    for r in data.records:
+        m = re.fullmatch(r"What is (\d+) \+ (\d+)\? Answer with just the number\.", r.prompt)
+        assert m, r.prompt
+        a, b = int(m[1]), int(m[2])
+        assert r.label == str(a + b)
+        sums.append((a, b))
+    assert len(set(sums)) == 241
+    single = [(a, b) for a, b in sums if a < 10 and b < 10]
+    assert sorted(single) == [(a, b) for a in range(1, 10) for b in range(1, 10)]
+    hard = [(a, b) for a, b in sums if not (a < 10 and b < 10)]
+    assert len(hard) == 160 and all(10 <= max(a, b) <= 99 and 1 <= min(a, b) <= 9 for a, b in hard)
+
+
+def test_bundled_task_is_reproducible(tmp_path):
+    script = Path(__file__).resolve().parent.parent / "scripts" / "make_arithmetic_task.py"
+    out = tmp_path / "a.jsonl"
+    subprocess.run([sys.executable, str(script), "--out", str(out)], check=True, capture_output=True)
+    assert out.read_bytes() == BUNDLED_TASK.read_bytes()
+
+
+def test_module_does_not_import_torch():
+    code = "import sys, miles.data.prompts; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+@pytest.mark.skipif(not GSM8K.is_file(), reason="shared gsm8k data not present")
+def test_gsm8k_train():
+    data = load_prompt_data(str(GSM8K), "question", "answer")
+    assert len(data.records) == 7473 and data.missing_labels == 0
+    assert "####" in data.records[0].label
