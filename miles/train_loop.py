@@ -22,7 +22,7 @@ from miles.config import ModelConfig, RolloutConfig, RunConfig, TrainConfig
 from miles.data.prompts import PromptData, PromptDataset
 from miles.rollout.engine import LocalEngine
 from miles.rollout.rewards import RewardFn
-from miles.rollout.rollout import RolloutManager
+from miles.rollout.rollout import RolloutManager, drop_long_prompts
 from miles.train.checkpoint import find_latest_checkpoint, load_trainer_state, save_checkpoint
 from miles.train.trainer import Trainer
 from miles.utils.logging import MetricsWriter
@@ -42,6 +42,7 @@ def run_training(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, train_cfg: 
     base = resolve_checkpoint(model_cfg.hf_checkpoint)
     resume = find_latest_checkpoint(run_cfg.load) if run_cfg.load else None
     tokenizer = load_tokenizer(base)
+    records = drop_long_prompts(data.records, tokenizer, rollout_cfg)
     load = dict(device=model_cfg.device, attention_backend=model_cfg.attention_backend)
     policy = load_causal_lm(resume or base, **load)
     ref = load_causal_lm(model_cfg.ref_load or base, **load) if train_cfg.needs_ref else None
@@ -49,7 +50,7 @@ def run_training(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, train_cfg: 
     engine = LocalEngine(load_causal_lm(resume or base, dtype=engine_dtype, **load),
                          eos_token_ids=eos_token_ids(policy, tokenizer), pad_token_id=tokenizer.pad_token_id)
 
-    dataset = PromptDataset(data.records, shuffle=rollout_cfg.shuffle, seed=rollout_cfg.seed)
+    dataset = PromptDataset(records, shuffle=rollout_cfg.shuffle, seed=rollout_cfg.seed)
     rollout = RolloutManager(rollout_cfg, engine, tokenizer, dataset, reward_fn)
     trainer = Trainer(train_cfg, policy, ref, pad_token_id=tokenizer.pad_token_id, precision=model_cfg.precision)
     start_step = 0

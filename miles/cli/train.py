@@ -31,9 +31,6 @@ def resolve_data_args(args: argparse.Namespace) -> None:
         args.apply_chat_template = bundled
     if args.rm_type is None:
         args.rm_type = "math"
-    if args.label_key is None and args.custom_rm_path is None:
-        raise UsageError(f"--rm-type {args.rm_type} needs labels: pass --label-key (or a --custom-rm-path "
-                         "that needs none)")
 
 
 def resolve_device(args: argparse.Namespace) -> None:
@@ -51,6 +48,9 @@ def run(args: argparse.Namespace) -> int:
     validate_train_args(args)
     resolve_data_args(args)
     data = load_prompt_data(args.prompt_data, args.input_key, args.label_key)
+    if args.label_key is None and args.custom_rm_path is None:
+        raise UsageError(f"--rm-type {args.rm_type} needs labels: pass --label-key (keys in {args.prompt_data}: "
+                         f"{', '.join(data.keys)}), or a --custom-rm-path that needs none")
     from miles.rollout.rewards import get_reward_fn
 
     reward_fn = get_reward_fn(args.rm_type, args.custom_rm_path)

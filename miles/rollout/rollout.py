@@ -13,7 +13,8 @@ import torch
 
 from miles.bridge.types import Sample, Status
 from miles.config import RolloutConfig
-from miles.data.prompts import PromptDataset, render_prompt
+from miles.data.prompts import PromptDataset, PromptRecord, render_prompt
+from miles.errors import UsageError
 from miles.rollout.engine import LocalEngine
 from miles.rollout.rewards import RewardFn
 from miles.utils.progress import Progress
@@ -36,7 +37,7 @@ class RolloutManager:
     def generate(self, rollout_id: int) -> list[Sample]:
         cfg = self.cfg
         records = self.dataset.next_batch(cfg.batch_size)
-        prompts = [self.tokenize(r.prompt) for r in records]
+        prompts = [tokenize_prompt(r.prompt, self.tokenizer, cfg.apply_chat_template) for r in records]
         # Each prompt repeated n times, group by group: sample i answers prompt i // n.
         flat_prompts = [p for p in prompts for _ in range(cfg.n_samples_per_prompt)]
 
@@ -70,7 +71,25 @@ class RolloutManager:
         self.last_stats = {"perf/rollout_time_s": gen_time, "perf/rollout_tok_s": n_tokens / max(gen_time, 1e-9)}
         return samples
 
-    def tokenize(self, prompt) -> list[int]:
-        text = render_prompt(prompt, self.tokenizer, self.cfg.apply_chat_template)
-        # The chat template already holds any BOS the model wants; don't add special tokens twice.
-        return self.tokenizer(text, add_special_tokens=not self.cfg.apply_chat_template)["input_ids"]
+
+
+def tokenize_prompt(prompt, tokenizer, apply_chat_template: bool) -> list[int]:
+    text = render_prompt(prompt, tokenizer, apply_chat_template)
+    # The chat template already holds any BOS the model wants; don't add special tokens twice.
+    return tokenizer(text, add_special_tokens=not apply_chat_template)["input_ids"]
+
+
+def drop_long_prompts(records: list[PromptRecord], tokenizer, cfg: RolloutConfig) -> list[PromptRecord]:
+    """Applies --rollout-max-prompt-len. Also renders every prompt once, so a prompt the chat
+    template cannot take fails now, before any model is loaded."""
+    lengths = [len(tokenize_prompt(r.prompt, tokenizer, cfg.apply_chat_template)) for r in records]
+    if cfg.max_prompt_len is None:
+        return records
+    kept = [r for r, n in zip(records, lengths) if n <= cfg.max_prompt_len]
+    if not kept:
+        raise UsageError(f"--rollout-max-prompt-len {cfg.max_prompt_len} drops every prompt "
+                         f"(the shortest is {min(lengths)} tokens)")
+    if len(kept) < len(records):
+        logger.info("--rollout-max-prompt-len %d: dropped %d of %d prompts", cfg.max_prompt_len,
+                    len(records) - len(kept), len(records))
+    return kept

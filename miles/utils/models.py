@@ -29,8 +29,11 @@ def quiet_transformers() -> None:
     """Keeps transformers' own progress bars and notices out of the run's log."""
     from transformers.utils import logging as hf_logging
 
+    from huggingface_hub.utils import disable_progress_bars
+
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    disable_progress_bars()
 
 
 def cache_dir() -> Path:

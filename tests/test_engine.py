@@ -1,0 +1,100 @@
+"""The embedded engine: sampling, stopping, and log-probs that match the trainer's."""
+
+import math
+
+import pytest
+import torch
+
+from miles.bridge.types import Sample
+from miles.config import SamplingParams
+from miles.rollout.engine import LocalEngine, sample_tokens
+from miles.train.batch import TrainBatch, response_log_probs
+from miles.utils.models import eos_token_ids, load_causal_lm, load_tokenizer
+
+
+def make_engine(path):
+    tok = load_tokenizer(path)
+    model = load_causal_lm(path, device="cpu", attention_backend="sdpa")
+    return LocalEngine(model, eos_token_ids=eos_token_ids(model, tok), pad_token_id=tok.pad_token_id), tok
+
+
+def test_greedy_takes_the_argmax_and_reports_its_log_prob():
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    tok, logp = sample_tokens(logits, SamplingParams(1, 0.0, 1.0), None)
+    assert tok.item() == 1
+    assert logp.item() == pytest.approx(3 - math.log(math.e + math.e**3 + math.e**2), abs=1e-6)
+
+
+def test_top_p_keeps_the_nucleus_and_reports_untruncated_log_probs():
+    # probs [0.6, 0.3, 0.1]: top_p 0.5 keeps token 0 alone; top_p 0.8 keeps tokens 0 and 1.
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.1]])).repeat(400, 1)
+    g = torch.Generator().manual_seed(0)
+    tok, logp = sample_tokens(logits, SamplingParams(1, 1.0, 0.5), g)
+    assert set(tok.tolist()) == {0}
+    assert logp[0].item() == pytest.approx(math.log(0.6), abs=1e-6)  # before truncation, as the trainer sees it
+    tok, _ = sample_tokens(logits, SamplingParams(1, 1.0, 0.8), g)
+    assert set(tok.tolist()) == {0, 1}
+
+
+def test_temperature_scales_the_reported_log_probs():
+    logits = torch.tensor([[2.0, 0.0]])
+    _, logp = sample_tokens(logits.repeat(200, 1), SamplingParams(1, 2.0, 1.0), torch.Generator().manual_seed(0))
+    expected = {round(math.log(math.e / (math.e + 1)), 5), round(math.log(1 / (math.e + 1)), 5)}
+    assert {round(v, 5) for v in logp.tolist()} == expected  # logits / 2 = [1, 0]
+
+
+def test_generation_stops_at_eos_or_length(tiny_model):
+    engine, tok = make_engine(tiny_model)
+    prompts = [tok("hello")["input_ids"], tok("a much longer prompt")["input_ids"]] * 8
+    outs = engine.generate(prompts, SamplingParams(40, 1.0, 1.0), torch.Generator().manual_seed(0))
+    assert len(outs) == 16
+    for out in outs:
+        assert len(out.token_ids) == len(out.log_probs) <= 40
+        assert all(lp <= 0 for lp in out.log_probs)
+        if out.finish_reason == "stop":
+            assert out.token_ids[-1] == tok.eos_token_id and tok.eos_token_id not in out.token_ids[:-1]
+        else:
+            assert out.finish_reason == "length" and len(out.token_ids) == 40
+    assert {o.finish_reason for o in outs} == {"stop", "length"}  # the scaled random model does both
+
+
+def test_same_seed_same_tokens(tiny_model):
+    engine, tok = make_engine(tiny_model)
+    prompts = [tok("hello")["input_ids"]] * 4
+    a = engine.generate(prompts, SamplingParams(10, 1.0, 1.0), torch.Generator().manual_seed(3))
+    b = engine.generate(prompts, SamplingParams(10, 1.0, 1.0), torch.Generator().manual_seed(3))
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model", "tiny_qwen"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_engine_log_probs_equal_trainer_log_probs_fp32(fixture, temperature, request):
+    """Same weights, fp32: the engine's log-probs (left-padded, KV-cached, one token at a time)
+    equal the trainer's (right-padded, one full forward) within 1e-4."""
+    path = request.getfixturevalue(fixture)
+    engine, tok = make_engine(path)
+    prompts = [tok(p)["input_ids"] for p in ["1+1=", "what is seven plus two?", "x"]] * 2
+    outs = engine.generate(prompts, SamplingParams(16, temperature, 1.0), torch.Generator().manual_seed(0))
+    samples = [Sample(group_index=i, index=i, prompt="", tokens=p + o.token_ids, response_length=len(o.token_ids),
+                      loss_mask=[1] * len(o.token_ids), rollout_log_probs=o.log_probs)
+               for i, (p, o) in enumerate(zip(prompts, outs))]
+    trainer_model = load_causal_lm(path, device="cpu", attention_backend="sdpa")
+    batch = TrainBatch.from_samples(samples, tok.pad_token_id, "cpu")
+    with torch.no_grad():
+        logp, _ = response_log_probs(trainer_model, batch, temperature)
+    diff = ((logp - batch.rollout_log_probs).abs() * batch.mask).max().item()
+    assert diff < 1e-4
+    assert batch.mask.sum() > 30  # the comparison covered real tokens
+
+
+def test_update_weights_copies_into_the_engine(tiny_model):
+    engine, _ = make_engine(tiny_model)
+    other = load_causal_lm(tiny_model, device="cpu", attention_backend="sdpa")
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    engine.update_weights(other.named_parameters())
+    for (name, a), (_, b) in zip(engine.model.named_parameters(), other.named_parameters()):
+        assert torch.equal(a, b), name
+    with pytest.raises(KeyError, match="no parameter named 'nope'"):
+        engine.update_weights([("nope", torch.zeros(1))])
