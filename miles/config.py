@@ -76,6 +76,10 @@ class RunConfig:
     use_wandb: bool
     wandb_project: str
     wandb_group: str | None
+    debug_rollout_only: bool  # build no trainer
+    save_debug_rollout_data: str | None  # dump template, with {rollout_id}
+    load_debug_rollout_data: str | None  # replay template; implies train-only (no engine)
+    debug_rollout_print_every: int | None
 
 
 def build_configs(args: argparse.Namespace) -> tuple[ModelConfig, RolloutConfig, TrainConfig, RunConfig]:
@@ -90,5 +94,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ModelConfig, RolloutConfig,
         args.use_kl_loss, args.kl_loss_coef, args.kl_loss_type, args.use_tis, args.tis_clip,
         args.rollout_temperature, args.n_samples_per_prompt)
     run = RunConfig(args.output_dir, args.num_rollout, args.seed, args.save, args.save_interval, args.load,
-                    args.use_tensorboard, args.use_wandb, args.wandb_project, args.wandb_group)
+                    args.use_tensorboard, args.use_wandb, args.wandb_project, args.wandb_group,
+                    args.debug_rollout_only, args.save_debug_rollout_data, args.load_debug_rollout_data,
+                    args.debug_rollout_print_every)
     return model, rollout, train, run

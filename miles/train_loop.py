@@ -1,8 +1,9 @@
 """The RL loop of `miles train`, top to bottom: generate -> train -> sync weights -> save.
 
-Every branch lives in a component: the rollout side (`RolloutManager`: data, engine, reward), the
-training side (`Trainer`: log-probs, advantages, loss, optimizer), and the bridge between them
-(`Sample`s one way, `sync_weights` the other).
+Every branch lives in a component: the rollout side (`RolloutManager`: data, engine, reward, or a
+`ReplaySource` reading dumps), the training side (`Trainer`: log-probs, advantages, loss,
+optimizer), and the bridge between them (`Sample`s one way, `sync_weights` the other).
+`--debug-rollout-only` builds no trainer; `--debug-train-only` builds no engine.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +22,8 @@ from miles.bridge.types import Sample
 from miles.bridge.weight_sync import sync_weights
 from miles.config import ModelConfig, RolloutConfig, RunConfig, TrainConfig
 from miles.data.prompts import PromptData, PromptDataset
+from miles.debug.print_rollout import log_rollout_samples
+from miles.debug.rollout_dump import ReplaySource, save_rollout
 from miles.rollout.engine import LocalEngine
 from miles.rollout.rewards import RewardFn
 from miles.rollout.rollout import RolloutManager, drop_long_prompts
@@ -31,81 +35,168 @@ from miles.utils.models import eos_token_ids, load_causal_lm, load_tokenizer, qu
 logger = logging.getLogger("miles")
 
 
+@dataclass
+class Components:
+    tokenizer: object
+    source: RolloutManager | ReplaySource  # where each rollout's samples come from
+    engine: LocalEngine | None  # None with --debug-train-only
+    trainer: Trainer | None  # None with --debug-rollout-only
+    dataset: PromptDataset | None  # None when replaying dumps
+    start_step: int  # steps already done (resume)
+
+
 def run_training(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, train_cfg: TrainConfig, run_cfg: RunConfig,
-                 data: PromptData, reward_fn: RewardFn, config: dict) -> None:
+                 data: PromptData | None, reward_fn: RewardFn | None, config: dict) -> None:
     output_dir = Path(run_cfg.output_dir)
     seed_everything(run_cfg.seed)
     quiet_transformers()
     logger.info("miles %s | device=%s precision=%s | output_dir=%s", __version__, model_cfg.device,
                 model_cfg.precision, output_dir)
-
-    base = resolve_checkpoint(model_cfg.hf_checkpoint)
-    resume = find_latest_checkpoint(run_cfg.load) if run_cfg.load else None
-    tokenizer = load_tokenizer(base)
-    records = drop_long_prompts(data.records, tokenizer, rollout_cfg)
-    load = dict(device=model_cfg.device, attention_backend=model_cfg.attention_backend)
-    policy = load_causal_lm(resume or base, **load)
-    ref = load_causal_lm(model_cfg.ref_load or base, **load) if train_cfg.needs_ref else None
-    engine_dtype = torch.bfloat16 if model_cfg.precision == "bf16" else torch.float32
-    engine = LocalEngine(load_causal_lm(resume or base, dtype=engine_dtype, **load),
-                         eos_token_ids=eos_token_ids(policy, tokenizer), pad_token_id=tokenizer.pad_token_id)
-
-    dataset = PromptDataset(records, shuffle=rollout_cfg.shuffle, seed=rollout_cfg.seed)
-    rollout = RolloutManager(rollout_cfg, engine, tokenizer, dataset, reward_fn)
-    trainer = Trainer(train_cfg, policy, ref, pad_token_id=tokenizer.pad_token_id, precision=model_cfg.precision)
-    start_step = 0
-    if resume is not None:
-        state = load_trainer_state(resume)
-        trainer.load_state_dict(state)
-        dataset.load_state_dict(state["data"])
-        start_step = state["step"]
-        logger.info("Resuming after step %d from %s", start_step, resume)
-
+    c = build_components(model_cfg, rollout_cfg, train_cfg, run_cfg, data, reward_fn)
     save_root = Path(run_cfg.save) if run_cfg.save else output_dir / "checkpoints"
+    dump_meta = dump_metadata(model_cfg, rollout_cfg, run_cfg)
     metrics_out = MetricsWriter(output_dir, tensorboard=run_cfg.use_tensorboard,
                                 wandb_project=run_cfg.wandb_project if run_cfg.use_wandb else None,
                                 wandb_group=run_cfg.wandb_group, config=config)
     try:
-        for step in range(start_step + 1, run_cfg.num_rollout + 1):
+        for step in range(c.start_step + 1, run_cfg.num_rollout + 1):
             rollout_id = step - 1
             step_start = time.perf_counter()
-            samples = rollout.generate(rollout_id)
-            train_start = time.perf_counter()
-            metrics = trainer.train(samples)
-            train_time = time.perf_counter() - train_start
-            sync = sync_weights(trainer.model, engine, step)
+            samples = c.source.generate(rollout_id)
+            metrics = {**rollout_metrics(samples), **c.source.last_stats}
+            if run_cfg.save_debug_rollout_data:
+                dump_start = time.perf_counter()
+                path = save_rollout(run_cfg.save_debug_rollout_data, rollout_id, samples, dump_meta)
+                metrics["perf/rollout_dump_s"] = time.perf_counter() - dump_start
+                logger.info("Saved rollout %d (%d samples) to %s", rollout_id, len(samples), path)
+            if run_cfg.debug_rollout_print_every and rollout_id % run_cfg.debug_rollout_print_every == 0:
+                log_rollout_samples(rollout_id, samples)
 
-            metrics.update(rollout_metrics(samples))
-            metrics.update(rollout.last_stats)
-            metrics["perf/train_tok_s"] = sum(len(s.tokens) for s in samples) / train_time
-            metrics["perf/weight_sync_s"] = sync.seconds
+            if c.trainer is not None:
+                train_start = time.perf_counter()
+                metrics.update(c.trainer.train(samples))
+                metrics["perf/train_tok_s"] = sum(len(s.tokens) for s in samples) / (time.perf_counter() - train_start)
+                if c.engine is not None:
+                    metrics["perf/weight_sync_s"] = sync_weights(c.trainer.model, c.engine, step).seconds
+                if step == run_cfg.num_rollout or (run_cfg.save_interval and step % run_cfg.save_interval == 0):
+                    state = {**c.trainer.state_dict(), "config": config}
+                    if c.dataset is not None:
+                        state["data"] = c.dataset.state_dict()
+                    save_checkpoint(save_root, step, c.trainer.model, c.tokenizer, state)
             metrics["perf/step_time_s"] = time.perf_counter() - step_start
-            if step == run_cfg.num_rollout or (run_cfg.save_interval and step % run_cfg.save_interval == 0):
-                state = {**trainer.state_dict(), "data": dataset.state_dict(), "config": config}
-                save_checkpoint(save_root, step, trainer.model, tokenizer, state)
             metrics_out.write(step, metrics)
             log_step(step, run_cfg.num_rollout, metrics)
     finally:
         metrics_out.close()
-    logger.info("Done: %d steps; metrics in %s", run_cfg.num_rollout - start_step, output_dir / "metrics.jsonl")
+    logger.info("Done: %d steps; metrics in %s", run_cfg.num_rollout - c.start_step, output_dir / "metrics.jsonl")
+
+
+def build_components(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, train_cfg: TrainConfig, run_cfg: RunConfig,
+                     data: PromptData | None, reward_fn: RewardFn | None) -> Components:
+    base = resolve_checkpoint(model_cfg.hf_checkpoint)
+    resume = find_latest_checkpoint(run_cfg.load) if run_cfg.load else None
+    tokenizer = load_tokenizer(base)
+    load = dict(device=model_cfg.device, attention_backend=model_cfg.attention_backend)
+
+    state = load_trainer_state(resume) if resume is not None else None
+    start_step = state["step"] if state is not None else 0
+
+    engine = dataset = None
+    if run_cfg.load_debug_rollout_data:
+        logger.info("--load-debug-rollout-data %s: replaying captured rollouts, so --debug-train-only is on",
+                    run_cfg.load_debug_rollout_data)
+        source = ReplaySource(run_cfg.load_debug_rollout_data, vocab_size=_vocab_size(base, tokenizer),
+                              rollout_batch_size=rollout_cfg.batch_size,
+                              n_samples_per_prompt=rollout_cfg.n_samples_per_prompt, needs_log_probs=train_cfg.use_tis)
+        source.check_all(range(start_step, run_cfg.num_rollout))
+    else:
+        records = drop_long_prompts(data.records, tokenizer, rollout_cfg)
+        dataset = PromptDataset(records, shuffle=rollout_cfg.shuffle, seed=rollout_cfg.seed)
+        engine_dtype = torch.bfloat16 if model_cfg.precision == "bf16" else torch.float32
+        engine_model = load_causal_lm(resume or base, dtype=engine_dtype, **load)
+        engine = LocalEngine(engine_model, eos_token_ids=eos_token_ids(engine_model, tokenizer),
+                             pad_token_id=tokenizer.pad_token_id)
+        source = RolloutManager(rollout_cfg, engine, tokenizer, dataset, reward_fn)
+
+    trainer = None
+    if run_cfg.debug_rollout_only:
+        logger.info("--debug-rollout-only: no trainer or reference model built; weight sync and checkpoint "
+                    "saving are skipped")
+    else:
+        policy = load_causal_lm(resume or base, **load)
+        ref = load_causal_lm(model_cfg.ref_load or base, **load) if train_cfg.needs_ref else None
+        trainer = Trainer(train_cfg, policy, ref, pad_token_id=tokenizer.pad_token_id, precision=model_cfg.precision)
+        if engine is None:
+            logger.info("--debug-train-only: no rollout engine built; weight sync is skipped")
+    logger.info("Models in memory: %s", _model_memory(engine, trainer))
+
+    if state is not None:
+        if trainer is not None:
+            trainer.load_state_dict(state)
+        if dataset is not None and "data" in state:
+            dataset.load_state_dict(state["data"])
+        logger.info("Resuming after step %d from %s", start_step, resume)
+    return Components(tokenizer, source, engine, trainer, dataset, start_step)
+
+
+def _vocab_size(base: Path, tokenizer) -> int:
+    from transformers import AutoConfig
+
+    return max(AutoConfig.from_pretrained(base).vocab_size, len(tokenizer))
+
+
+def _model_memory(engine: LocalEngine | None, trainer: Trainer | None) -> str:
+    models = {"engine": engine.model if engine else None,
+              "policy": trainer.model if trainer else None,
+              "reference": trainer.ref_model if trainer else None}
+    parts = [f"{name} {sum(p.numel() * p.element_size() for p in m.parameters()) / 2**20:.1f} MiB"
+             for name, m in models.items() if m is not None]
+    return ", ".join(parts)
+
+
+def dump_metadata(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, run_cfg: RunConfig) -> dict:
+    """What a replay needs to know about how a rollout was made."""
+    return {
+        "miles_version": __version__,
+        "hf_checkpoint": str(resolve_checkpoint(model_cfg.hf_checkpoint)),
+        "load": run_cfg.load,
+        "precision": model_cfg.precision,
+        "seed": rollout_cfg.seed,
+        "rollout_batch_size": rollout_cfg.batch_size,
+        "n_samples_per_prompt": rollout_cfg.n_samples_per_prompt,
+        "max_new_tokens": rollout_cfg.sampling.max_new_tokens,
+        "temperature": rollout_cfg.sampling.temperature,
+        "top_p": rollout_cfg.sampling.top_p,
+        "apply_chat_template": rollout_cfg.apply_chat_template,
+        "rm_type": rollout_cfg.custom_rm_path or rollout_cfg.rm_type,
+    }
 
 
 def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
     n = len(samples)
-    return {
+    metrics = {
         "rollout/reward_mean": sum(s.reward for s in samples) / n,
         "rollout/response_len_mean": sum(s.response_length for s in samples) / n,
         "rollout/truncated_frac": sum(s.status == "truncated" for s in samples) / n,
     }
+    log_probs = [lp for s in samples for lp, m in zip(s.rollout_log_probs, s.loss_mask) if m]
+    if log_probs:  # the engine's mean log-prob per trained token
+        metrics["rollout/rollout_log_probs"] = sum(log_probs) / len(log_probs)
+    return metrics
 
 
 def log_step(step: int, total: int, m: dict[str, float]) -> None:
-    logger.info(
-        "step %d/%d | reward %.3f | resp_len %.1f | loss %.4f | grad_norm %.3f | ppo_kl %.2e | "
-        "forward_logp_max_diff %.2e | %.1fs (rollout %.0f tok/s, train %.0f tok/s)",
-        step, total, m["rollout/reward_mean"], m["rollout/response_len_mean"], m["train/loss"], m["train/grad_norm"],
-        m["train/ppo_kl"], m["forward_logp_max_diff"], m["perf/step_time_s"], m["perf/rollout_tok_s"],
-        m["perf/train_tok_s"])
+    parts = [f"step {step}/{total}", f"reward {m['rollout/reward_mean']:.3f}",
+             f"resp_len {m['rollout/response_len_mean']:.1f}"]
+    if "train/loss" in m:
+        parts += [f"loss {m['train/loss']:.4f}", f"grad_norm {m['train/grad_norm']:.3f}",
+                  f"ppo_kl {m['train/ppo_kl']:.2e}"]
+    if "forward_logp_max_diff" in m:
+        parts.append(f"forward_logp_max_diff {m['forward_logp_max_diff']:.2e}")
+    speed = [f"{k.split('/')[1].split('_')[0]} {m[k]:.0f} tok/s" for k in ("perf/rollout_tok_s", "perf/train_tok_s")
+             if k in m]
+    parts.append(f"{m['perf/step_time_s']:.1f}s ({', '.join(speed)})")
+    logger.info(" | ".join(parts))
 
 
 def seed_everything(seed: int) -> None:

@@ -104,12 +104,6 @@ def test_chat_template_missing_is_a_usage_error(tiny_model, tmp_path):
     assert "Traceback" not in r.stderr
 
 
-def test_train_only_and_rollout_only_flags_are_not_offered_yet():
-    # Guard: --help must list only flags that work (capture/replay lands with its own issue).
-    r = miles("train", "--help")
-    assert "--debug-rollout-only" not in r.stdout
-
-
 def test_max_prompt_len_dropping_everything_is_a_usage_error(tiny_model, prompt_file, tmp_path):
     r = subprocess.run([sys.executable, "-m", "miles", "train", "--hf-checkpoint", str(tiny_model), "--prompt-data",
                         str(prompt_file), "--label-key", "label", "--rollout-max-prompt-len", "3",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 from miles import __version__
@@ -16,19 +17,23 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from miles.cli import train
+    from miles.debug import inspect_rollout
 
     parser = _Parser(prog="miles", description="RL post-training of LLMs (GRPO family) with the debugging "
                                               "workflow built in.")
     parser.add_argument("--version", action="version", version=f"miles {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     train.register(commands)
+    inspect_rollout.register(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()
+        argv = sys.argv[1:] if argv is None else list(argv)
         args = parser.parse_args(argv)
+        args.command_line = "miles " + shlex.join(argv)
         if args.command is None:
             parser.print_help()
             return 2

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from miles.cli.train_args import add_train_args, validate_train_args
@@ -44,19 +43,29 @@ def resolve_device(args: argparse.Namespace) -> None:
         args.precision = "bf16" if args.device == "cuda" else "fp32"
 
 
-def run(args: argparse.Namespace) -> int:
+def prepare(args: argparse.Namespace):
+    """Checks and resolves the flags, loads the prompt data and the reward function.
+
+    Returns (data, reward_fn); both None for a replay, which takes them from the dumps.
+    """
     validate_train_args(args)
     resolve_data_args(args)
-    data = load_prompt_data(args.prompt_data, args.input_key, args.label_key)
-    if args.label_key is None and args.custom_rm_path is None:
-        raise UsageError(f"--rm-type {args.rm_type} needs labels: pass --label-key (keys in {args.prompt_data}: "
-                         f"{', '.join(data.keys)}), or a --custom-rm-path that needs none")
-    from miles.rollout.rewards import get_reward_fn
+    data = reward_fn = None
+    if args.load_debug_rollout_data is None:  # a replay takes prompts and rewards from the dumps
+        data = load_prompt_data(args.prompt_data, args.input_key, args.label_key)
+        if args.label_key is None and args.custom_rm_path is None:
+            raise UsageError(f"--rm-type {args.rm_type} needs labels: pass --label-key (keys in {args.prompt_data}: "
+                             f"{', '.join(data.keys)}), or a --custom-rm-path that needs none")
+        from miles.rollout.rewards import get_reward_fn
 
-    reward_fn = get_reward_fn(args.rm_type, args.custom_rm_path)
-
-    # Only now, with every flag and the data checked, pay for torch and the models.
+        reward_fn = get_reward_fn(args.rm_type, args.custom_rm_path)
+    # Only now, with every flag and the data checked, pay for torch.
     resolve_device(args)
+    return data, reward_fn
+
+
+def run(args: argparse.Namespace) -> int:
+    data, reward_fn = prepare(args)
     from miles.config import build_configs
     from miles.train_loop import run_training
     from miles.utils.io import atomic_write_json
@@ -65,9 +74,8 @@ def run(args: argparse.Namespace) -> int:
     output_dir = Path(args.output_dir)
     setup_logging(output_dir)
     config = {k: v for k, v in vars(args).items() if k != "run"}
-    config["argv"] = sys.argv
     atomic_write_json(output_dir / "config.json", config)
-    if data.missing_labels:
+    if data is not None and data.missing_labels:
         import logging
 
         logging.getLogger("miles").warning("%d of %d rows of %s have no %r label: their reward is 0",

@@ -68,6 +68,18 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="compute precision (default: bf16 on GPU, fp32 on CPU); master weights stay fp32")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
 
+    g = p.add_argument_group("debug: rollout or training?")
+    g.add_argument("--debug-rollout-only", action="store_true",
+                   help="build the engine only: generate and reward rollouts, no trainer (pair with --save-debug-rollout-data)")
+    g.add_argument("--debug-train-only", action="store_true",
+                   help="build the trainer only, no engine; trains on --load-debug-rollout-data dumps")
+    g.add_argument("--save-debug-rollout-data", metavar="TEMPLATE",
+                   help="dump every rollout to TEMPLATE, e.g. dumps/data_{rollout_id}.pt")
+    g.add_argument("--load-debug-rollout-data", metavar="TEMPLATE",
+                   help="train rollout i on the dump for id i (fixed inputs); implies --debug-train-only")
+    g.add_argument("--debug-rollout-print-every", type=int, metavar="N",
+                   help="log the samples of every Nth rollout (prompt, response, reward, mean log-prob)")
+
     g = p.add_argument_group("logging")
     g.add_argument("--use-tensorboard", action="store_true", help="also write TensorBoard events to OUTPUT_DIR/tensorboard")
     g.add_argument("--use-wandb", action="store_true", help="also log to Weights & Biases (WANDB_MODE=offline works without network)")
@@ -87,6 +99,7 @@ def _positive(args: argparse.Namespace, *names: str, allow_zero: bool = False) -
 
 def validate_train_args(args: argparse.Namespace) -> None:
     """Checks flags that need no data and no model. Raises UsageError naming the flag."""
+    _check_debug_flags(args)
     _positive(args, "rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len", "num_rollout",
               "num_steps_per_rollout", "global_batch_size", "micro_batch_size", "save_interval",
               "rollout_max_prompt_len", "lr", "tis_clip")
@@ -135,6 +148,25 @@ def validate_train_args(args: argparse.Namespace) -> None:
         _require("tensorboard", "--use-tensorboard")
     if args.use_wandb:
         _require("wandb", "--use-wandb")
+
+
+def _check_debug_flags(args: argparse.Namespace) -> None:
+    from miles.debug.templates import check_template
+
+    if args.load_debug_rollout_data is not None:
+        check_template(args.load_debug_rollout_data, "--load-debug-rollout-data")
+        args.debug_train_only = True  # replaying needs no engine (logged when the run starts)
+    if args.save_debug_rollout_data is not None:
+        check_template(args.save_debug_rollout_data, "--save-debug-rollout-data")
+    if args.debug_rollout_only and args.debug_train_only:
+        implied = " (implied by --load-debug-rollout-data)" if args.load_debug_rollout_data else ""
+        raise UsageError(f"--debug-rollout-only and --debug-train-only{implied} exclude each other: "
+                         "one builds no trainer, the other no engine")
+    if args.debug_train_only and args.load_debug_rollout_data is None:
+        raise UsageError("--debug-train-only builds no engine, so it needs rollouts to train on: pass "
+                         "--load-debug-rollout-data TEMPLATE (dumps written by --save-debug-rollout-data)")
+    if args.debug_rollout_print_every is not None and args.debug_rollout_print_every <= 0:
+        raise UsageError(f"--debug-rollout-print-every must be > 0 (got {args.debug_rollout_print_every})")
 
 
 def _require(module: str, flag: str) -> None:

@@ -17,6 +17,7 @@ class TrainBatch:
     mask: torch.Tensor  # (B, R) float, 1 on response tokens that are trained on
     rollout_log_probs: torch.Tensor  # (B, R) the engine's log-probs of the sampled tokens
     rewards: torch.Tensor  # (B,)
+    has_rollout_log_probs: bool = True  # False for dumps made without engine log-probs
 
     @classmethod
     def from_samples(cls, samples: list[Sample], pad_token_id: int, device) -> TrainBatch:
@@ -35,16 +36,19 @@ class TrainBatch:
             # The token at position p is predicted by the logits at position p - 1.
             positions[i, :r] = torch.arange(s.prompt_length - 1, n - 1)
             mask[i, :r] = torch.tensor(s.loss_mask[:r], dtype=torch.float32)
-            rollout_log_probs[i, :r] = torch.tensor(s.rollout_log_probs[:r], dtype=torch.float32)
+            if len(s.rollout_log_probs) == r:
+                rollout_log_probs[i, :r] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        return cls(*(t.to(device) for t in (input_ids, attention_mask, positions, mask, rollout_log_probs, rewards)))
+        tensors = (input_ids, attention_mask, positions, mask, rollout_log_probs, rewards)
+        has_log_probs = all(len(s.rollout_log_probs) == s.response_length for s in samples)
+        return cls(*(t.to(device) for t in tensors), has_rollout_log_probs=has_log_probs)
 
     def rows(self, start: int, end: int) -> TrainBatch:
         """Samples [start, end), trimmed to the longest sequence among them."""
         width = int(self.attention_mask[start:end].sum(-1).max())
         return TrainBatch(self.input_ids[start:end, :width], self.attention_mask[start:end, :width],
                           self.response_positions[start:end].clamp(max=width - 2), self.mask[start:end],
-                          self.rollout_log_probs[start:end], self.rewards[start:end])
+                          self.rollout_log_probs[start:end], self.rewards[start:end], self.has_rollout_log_probs)
 
 
 def response_log_probs(model, batch: TrainBatch, temperature: float, *, with_entropy: bool = False):

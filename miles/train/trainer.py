@@ -55,14 +55,14 @@ class Trainer:
         advantages = ADVANTAGE_ESTIMATORS[cfg.advantage_estimator](
             batch.rewards, kl, mask, group_size=cfg.n_samples_per_prompt, kl_coef=cfg.kl_coef)
 
-        logp_diff = (old_log_probs - batch.rollout_log_probs).abs() * mask
         metrics = {
             "rollout/log_probs": masked_mean(old_log_probs, mask).item(),
-            "rollout/rollout_log_probs": masked_mean(batch.rollout_log_probs, mask).item(),
             "rollout/advantages": masked_mean(advantages, mask).item(),
-            "train/train_rollout_logprob_abs_diff": masked_mean(logp_diff, mask).item(),
-            "forward_logp_max_diff": logp_diff.max().item(),
         }
+        if batch.has_rollout_log_probs:  # how far the engine's log-probs are from the trainer's
+            logp_diff = (old_log_probs - batch.rollout_log_probs).abs() * mask
+            metrics["train/train_rollout_logprob_abs_diff"] = masked_mean(logp_diff, mask).item()
+            metrics["forward_logp_max_diff"] = logp_diff.max().item()
         if ref_log_probs is not None:
             metrics["rollout/ref_log_probs"] = masked_mean(ref_log_probs, mask).item()
             metrics["rollout/kl"] = masked_mean(kl, mask).item()

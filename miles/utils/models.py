@@ -96,6 +96,7 @@ def load_causal_lm(path: str | Path, *, device: str, attention_backend: str, dty
     """Loads an HF causal LM onto `device`, logging the SPEC phrase `Loaded checkpoint from`."""
     from transformers import AutoModelForCausalLM
 
+    quiet_transformers()
     impl = _ATTN_IMPL[attention_backend]
     if impl == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise UsageError("--attention-backend flash needs the flash-attn package; use sdpa or eager")

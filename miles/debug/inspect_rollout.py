@@ -1,0 +1,157 @@
+"""`miles inspect-rollout PATH`: what is in a rollout dump, at a glance or token by token.
+
+    miles inspect-rollout dumps/data_0.pt             # table of samples + summary
+    miles inspect-rollout dumps/data_0.pt --sample 3  # one sample: prompt, response, per-token log-probs
+    miles inspect-rollout dumps/data_0.pt --json      # the same, for machines
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+from miles.errors import UsageError
+
+
+def register(commands) -> None:
+    p = commands.add_parser("inspect-rollout", help="show a rollout dump: samples, rewards, lengths, log-prob stats",
+                            description=__doc__.splitlines()[0])
+    p.add_argument("path", metavar="PATH", help="a dump written by --save-debug-rollout-data (or by Miles/slime)")
+    p.add_argument("--sample", type=int, metavar="K", help="show sample K in full, with per-token log-probs")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--tokenizer", metavar="DIR", help="decode tokens with this tokenizer (default: the dump's model, "
+                                                       "if it is a local dir)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from miles.debug.rollout_dump import read_dump, samples_from_dump
+
+    path = Path(args.path)
+    payload = read_dump(path)
+    metadata = payload.get("metadata") or {}
+    n_per_prompt = int(metadata.get("n_samples_per_prompt") or 1)
+    samples = samples_from_dump(payload, path, n_per_prompt)
+    if args.sample is not None:
+        if not 0 <= args.sample < len(samples):
+            raise UsageError(f"--sample {args.sample}: {path} has samples 0..{len(samples) - 1}")
+        return show_sample(samples[args.sample], metadata, args)
+    summary = summarize(samples, n_per_prompt)
+    if args.json:
+        rows = [sample_row(s) for s in samples]
+        print(json.dumps({"path": str(path), "format": payload.get("format", "slime"),
+                          "rollout_id": payload.get("rollout_id"), "metadata": metadata, "summary": summary,
+                          "samples": rows}, indent=2, default=str))
+        return 0
+    print_table(path, payload, metadata, samples, summary)
+    return 0
+
+
+def sample_row(s) -> dict:
+    lp = s.rollout_log_probs
+    return {"index": s.index, "group": s.group_index, "reward": s.reward, "prompt_len": s.prompt_length,
+            "response_len": s.response_length, "status": s.status,
+            "logp_mean": sum(lp) / len(lp) if lp else None, "logp_min": min(lp) if lp else None,
+            "response": s.response}
+
+
+def summarize(samples, n_per_prompt: int) -> dict:
+    rewards = [s.reward for s in samples]
+    lengths = [s.response_length for s in samples]
+    log_probs = [lp for s in samples for lp in s.rollout_log_probs]
+    groups: dict[int, list[float]] = {}
+    for s in samples:
+        groups.setdefault(s.group_index, []).append(s.reward)
+    statuses: dict[str, int] = {}
+    for s in samples:
+        statuses[s.status] = statuses.get(s.status, 0) + 1
+    return {
+        "samples": len(samples),
+        "groups": len(groups),
+        "reward_mean": statistics.fmean(rewards),
+        "reward_std": statistics.pstdev(rewards),
+        "reward_min": min(rewards),
+        "reward_max": max(rewards),
+        # A group whose rewards are all equal gives GRPO zero advantage: no learning signal.
+        "groups_with_signal": sum(len(set(r)) > 1 for r in groups.values()),
+        "response_len_mean": statistics.fmean(lengths),
+        "response_len_min": min(lengths),
+        "response_len_max": max(lengths),
+        "status": statuses,
+        "logp_mean": statistics.fmean(log_probs) if log_probs else None,
+        "logp_min": min(log_probs) if log_probs else None,
+        "samples_without_logp": sum(not s.rollout_log_probs for s in samples),
+    }
+
+
+def print_table(path, payload, metadata, samples, summary) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:  # piped into a file or a pager: don't squeeze the table into 80 columns
+        console.width = 160
+    title = f"{path}  rollout {payload.get('rollout_id')}  ({payload.get('format', 'slime/Miles format')})"
+    table = Table(title=title, title_justify="left")
+    for col in ("idx", "group", "reward", "prompt", "resp", "status", "logp mean", "logp min", "response"):
+        table.add_column(col, justify="right" if col not in ("status", "response") else "left",
+                         overflow="ellipsis", no_wrap=True, max_width=60 if col == "response" else None)
+    for s in samples:
+        r = sample_row(s)
+        table.add_row(str(r["index"]), str(r["group"]), f"{r['reward']:.3f}", str(r["prompt_len"]),
+                      str(r["response_len"]), r["status"], _fmt(r["logp_mean"]), _fmt(r["logp_min"]),
+                      " ".join(s.response.split()))
+    console.print(table)
+    sm = summary
+    console.print(
+        f"samples {sm['samples']} in {sm['groups']} groups | reward mean {sm['reward_mean']:.3f} "
+        f"std {sm['reward_std']:.3f} [{sm['reward_min']:.3f}, {sm['reward_max']:.3f}] | groups with mixed rewards "
+        f"{sm['groups_with_signal']}/{sm['groups']}\nresponse length mean {sm['response_len_mean']:.1f} "
+        f"[{sm['response_len_min']}, {sm['response_len_max']}] | status "
+        + ", ".join(f"{k} {v}" for k, v in sorted(sm["status"].items()))
+        + f" | engine logp/token mean {_fmt(sm['logp_mean'])} min {_fmt(sm['logp_min'])}",
+        highlight=False, soft_wrap=True)
+    if metadata:
+        console.print("metadata: " + ", ".join(f"{k}={v}" for k, v in metadata.items()), highlight=False,
+                      soft_wrap=True)
+
+
+def show_sample(s, metadata: dict, args: argparse.Namespace) -> int:
+    pieces = _decode_pieces(s.response_tokens, args.tokenizer or metadata.get("hf_checkpoint"))
+    tokens = [{"id": t, "text": p, "logp": lp, "loss_mask": m}
+              for t, p, lp, m in zip(s.response_tokens, pieces, _pad(s.rollout_log_probs, s.response_length),
+                                     s.loss_mask)]
+    if args.json:
+        print(json.dumps({**s.to_dict(), "response_tokens": tokens}, indent=2, default=str))
+        return 0
+    from miles.debug.print_rollout import prompt_text
+
+    print(f"sample {s.index} (group {s.group_index}) | reward {s.reward} | label {s.label!r} | status {s.status}")
+    print(f"prompt ({s.prompt_length} tokens): {prompt_text(s.prompt)}")
+    print(f"response ({s.response_length} tokens): {s.response}")
+    print(f"{'pos':>4} {'token':>7} {'logp':>9} {'p':>6} mask  text")
+    for i, t in enumerate(tokens):
+        lp = t["logp"]
+        print(f"{i:>4} {t['id']:>7} {_fmt(lp):>9} {(f'{math.exp(lp):.3f}' if lp is not None else 'n/a'):>6} "
+              f"{t['loss_mask']:>4}  {t['text']!r}")
+    return 0
+
+
+def _decode_pieces(token_ids: list[int], tokenizer_dir: str | None) -> list[str | None]:
+    if tokenizer_dir and Path(tokenizer_dir, "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        return [tok.decode([t]) for t in token_ids]
+    return [None] * len(token_ids)
+
+
+def _pad(values: list[float], n: int) -> list[float | None]:
+    return list(values) + [None] * (n - len(values))
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
