@@ -37,6 +37,7 @@ class RolloutConfig:
     rm_type: str
     custom_rm_path: str | None
     seed: int
+    label_key: str | None
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,9 @@ class RunConfig:
     save_debug_rollout_data: str | None  # dump template, with {rollout_id}
     load_debug_rollout_data: str | None  # replay template; implies train-only (no engine)
     debug_rollout_print_every: int | None
+    alignment_check: str  # off | warn | error
+    check_weight_update_equal: bool
+    debug_weight_sync: int
 
 
 def build_configs(args: argparse.Namespace) -> tuple[ModelConfig, RolloutConfig, TrainConfig, RunConfig]:
@@ -87,7 +91,8 @@ def build_configs(args: argparse.Namespace) -> tuple[ModelConfig, RolloutConfig,
     sampling = SamplingParams(args.rollout_max_response_len, args.rollout_temperature, args.rollout_top_p)
     rollout = RolloutConfig(
         args.rollout_batch_size, args.n_samples_per_prompt, sampling, args.apply_chat_template,
-        args.rollout_max_prompt_len, args.rollout_shuffle, args.rm_type, args.custom_rm_path, args.seed)
+        args.rollout_max_prompt_len, args.rollout_shuffle, args.rm_type, args.custom_rm_path, args.seed,
+        args.label_key)
     train = TrainConfig(
         args.num_steps_per_rollout, args.global_batch_size, args.micro_batch_size, args.lr, args.weight_decay,
         args.clip_grad, args.advantage_estimator, args.eps_clip, args.eps_clip_high, args.kl_coef,
@@ -96,5 +101,6 @@ def build_configs(args: argparse.Namespace) -> tuple[ModelConfig, RolloutConfig,
     run = RunConfig(args.output_dir, args.num_rollout, args.seed, args.save, args.save_interval, args.load,
                     args.use_tensorboard, args.use_wandb, args.wandb_project, args.wandb_group,
                     args.debug_rollout_only, args.save_debug_rollout_data, args.load_debug_rollout_data,
-                    args.debug_rollout_print_every)
+                    args.debug_rollout_print_every, args.alignment_check, args.check_weight_update_equal,
+                    args.debug_weight_sync)
     return model, rollout, train, run

@@ -6,3 +6,10 @@ class UsageError(Exception):
 
     The CLI prints it as `error: <message>` on stderr and exits with status 2.
     """
+
+
+class CheckFailed(Exception):
+    """A check the user asked to be fatal failed (alignment, weight sync, determinism).
+
+    The CLI prints it as `error: <message>` and exits with status 3.
+    """

@@ -22,6 +22,8 @@ from miles.bridge.types import Sample
 from miles.bridge.weight_sync import sync_weights
 from miles.config import ModelConfig, RolloutConfig, RunConfig, TrainConfig
 from miles.data.prompts import PromptData, PromptDataset
+from miles.errors import CheckFailed
+from miles.debug.alignment import CheckContext, report, run_checks
 from miles.debug.print_rollout import log_rollout_samples
 from miles.debug.rollout_dump import ReplaySource, save_rollout
 from miles.rollout.engine import LocalEngine
@@ -43,6 +45,7 @@ class Components:
     trainer: Trainer | None  # None with --debug-rollout-only
     dataset: PromptDataset | None  # None when replaying dumps
     start_step: int  # steps already done (resume)
+    check_context: CheckContext  # what the alignment check needs to know
 
 
 def run_training(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, train_cfg: TrainConfig, run_cfg: RunConfig,
@@ -77,7 +80,11 @@ def run_training(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, train_cfg: 
                 metrics.update(c.trainer.train(samples))
                 metrics["perf/train_tok_s"] = sum(len(s.tokens) for s in samples) / (time.perf_counter() - train_start)
                 if c.engine is not None:
-                    metrics["perf/weight_sync_s"] = sync_weights(c.trainer.model, c.engine, step).seconds
+                    sync = sync_weights(c.trainer.model, c.engine, step, verify=run_cfg.check_weight_update_equal,
+                                        debug_level=run_cfg.debug_weight_sync)
+                    metrics["perf/weight_sync_s"] = sync.seconds
+                    if run_cfg.alignment_check == "error" and (sync.mismatched or sync.buffer_problems):
+                        raise CheckFailed(f"weight sync check failed at step {step} (see `weight_sync` lines)")
                 if step == run_cfg.num_rollout or (run_cfg.save_interval and step % run_cfg.save_interval == 0):
                     state = {**c.trainer.state_dict(), "config": config}
                     if c.dataset is not None:
@@ -86,6 +93,9 @@ def run_training(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, train_cfg: 
             metrics["perf/step_time_s"] = time.perf_counter() - step_start
             metrics_out.write(step, metrics)
             log_step(step, run_cfg.num_rollout, metrics)
+            if step == c.start_step + 1 and run_cfg.alignment_check != "off":
+                checks = run_checks(samples, metrics, c.trainer.diagnostics if c.trainer else None, c.check_context)
+                report(checks, run_cfg.alignment_check, step)
     finally:
         metrics_out.close()
     logger.info("Done: %d steps; metrics in %s", run_cfg.num_rollout - c.start_step, output_dir / "metrics.jsonl")
@@ -136,7 +146,10 @@ def build_components(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, train_c
         if dataset is not None and "data" in state:
             dataset.load_state_dict(state["data"])
         logger.info("Resuming after step %d from %s", start_step, resume)
-    return Components(tokenizer, source, engine, trainer, dataset, start_step)
+    rm_type = None if rollout_cfg.custom_rm_path else rollout_cfg.rm_type  # a custom reward's format is unknown
+    context = CheckContext(_vocab_size(base, tokenizer), model_cfg.precision, bool(tokenizer.chat_template),
+                           rollout_cfg.apply_chat_template, rm_type, rollout_cfg.label_key)
+    return Components(tokenizer, source, engine, trainer, dataset, start_step, context)
 
 
 def _vocab_size(base: Path, tokenizer) -> int:

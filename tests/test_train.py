@@ -108,3 +108,12 @@ def test_tensorboard_sink(tiny_args):
     pytest.importorskip("tensorboard")
     out = run(tiny_args, "--use-tensorboard", "--num-rollout", "1")
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_wandb_offline_sink(tiny_args, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = run(tiny_args, "--use-wandb", "--num-rollout", "1")
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))

@@ -7,7 +7,7 @@ import shlex
 import sys
 
 from miles import __version__
-from miles.errors import UsageError
+from miles.errors import CheckFailed, UsageError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -17,7 +17,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from miles.cli import train
-    from miles.debug import inspect_rollout
+    from miles.debug import chat_template, check_weights, inspect_rollout
 
     parser = _Parser(prog="miles", description="RL post-training of LLMs (GRPO family) with the debugging "
                                               "workflow built in.")
@@ -25,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     train.register(commands)
     inspect_rollout.register(commands)
+    check_weights.register(commands)
+    chat_template.register(commands)
     return parser
 
 
@@ -41,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except CheckFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -80,6 +80,14 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--debug-rollout-print-every", type=int, metavar="N",
                    help="log the samples of every Nth rollout (prompt, response, reward, mean log-prob)")
 
+    g = p.add_argument_group("debug: alignment and weight sync")
+    g.add_argument("--alignment-check", choices=("off", "warn", "error"), default="warn",
+                   help="step-1 precision-alignment report; error: any FAIL exits with status 3 (default: warn)")
+    g.add_argument("--check-weight-update-equal", action="store_true",
+                   help="after each sync, compare every engine tensor with the trainer's by digest, and the engine's buffers")
+    g.add_argument("--debug-weight-sync", type=int, choices=(0, 1, 2), default=0, metavar="LEVEL",
+                   help="1: a checksum on each weight_sync line; 2: also one line per tensor")
+
     g = p.add_argument_group("logging")
     g.add_argument("--use-tensorboard", action="store_true", help="also write TensorBoard events to OUTPUT_DIR/tensorboard")
     g.add_argument("--use-wandb", action="store_true", help="also log to Weights & Biases (WANDB_MODE=offline works without network)")

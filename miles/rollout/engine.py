@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import hashlib
 import inspect
 
 import torch
@@ -50,15 +51,45 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, generator: tor
     return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's raw bytes: equal digests mean bitwise-equal tensors of one dtype."""
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+    return hashlib.sha256(raw.tobytes()).hexdigest()
+
+
+def fresh_buffers(model) -> dict[str, torch.Tensor]:
+    """The model's buffers as a freshly built module computes them.
+
+    Modules built from the config alone (rotary embeddings) are rebuilt, so a buffer already wrong
+    at load time is caught too; other buffers are snapshotted as loaded.
+    """
+    fresh = {}
+    for prefix, module in model.named_modules():
+        own = dict(module.named_buffers(recurse=False))
+        if not own:
+            continue
+        rebuilt = None
+        try:
+            rebuilt = dict(type(module)(model.config).named_buffers(recurse=False))
+        except Exception:  # not constructible from the config alone: keep the loaded values
+            pass
+        for name, buf in own.items():
+            source = rebuilt.get(name) if rebuilt is not None and name in rebuilt else buf
+            fresh[f"{prefix}.{name}" if prefix else name] = source.detach().clone().cpu()
+    return fresh
+
+
 class LocalEngine:
     def __init__(self, model, *, eos_token_ids: list[int], pad_token_id: int):
         self.model = model.eval()
         # transformers renamed `past_key_values` to `cache` (5.2x); speak whichever this one has.
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._fresh_buffers = fresh_buffers(model)
         self.eos_token_ids = eos_token_ids
         self.pad_token_id = pad_token_id
         self.device = next(model.parameters()).device
+        self.weight_dtype = next(model.parameters()).dtype
 
     # -- weights: the receiving end of the weight-sync interface --------------------------------
 
@@ -72,6 +103,25 @@ class LocalEngine:
             if name not in params:
                 raise KeyError(f"engine has no parameter named {name!r}")
             params[name].copy_(tensor)  # casts to the engine's dtype and device
+
+    def weights_checksum(self) -> dict[str, str]:
+        """Per-tensor digests of the engine's parameters (what `GET /weights_checksum` serves)."""
+        return {name: tensor_digest(p) for name, p in self.model.named_parameters()}
+
+    def check_buffers(self) -> list[str]:
+        """Problems with the non-parameter buffers (rotary `inv_freq` and the like): each one
+        dropped, or no longer equal to a freshly computed copy. Empty when all is well."""
+        current = dict(self.model.named_buffers())
+        problems = []
+        for name, fresh in self._fresh_buffers.items():
+            buf = current.get(name)
+            if buf is None:
+                problems.append(f"{name} dropped")
+            elif not torch.equal(buf, fresh.to(buf.device, buf.dtype)):
+                zeroed = not bool(buf.count_nonzero())
+                problems.append(f"{name} {'zeroed' if zeroed else 'changed'} "
+                                f"(max |diff| {(buf.float() - fresh.to(buf.device).float()).abs().max().item():.3g})")
+        return problems
 
     # -- generation ------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +21,17 @@ from miles.train.losses import KL_ESTIMATORS, aggregate, masked_mean, policy_los
 from miles.utils.progress import Progress
 
 
+@dataclass
+class StepDiagnostics:
+    """Per-token tensors (B, R) of the last rollout, kept for the step-1 alignment check."""
+
+    old_log_probs: torch.Tensor  # the policy's, before any update
+    ref_log_probs: torch.Tensor | None
+    rollout_log_probs: torch.Tensor | None  # None when the samples carry no engine log-probs
+    mask: torch.Tensor
+    recompute_max_diff: float  # max |log-prob in the first training forward - old_log_probs|
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, model, ref_model, *, pad_token_id: int, precision: str):
         self.cfg = cfg
@@ -29,6 +41,7 @@ class Trainer:
         self.device = next(model.parameters()).device
         self.autocast_dtype = torch.bfloat16 if precision == "bf16" else None
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.diagnostics: StepDiagnostics | None = None
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -68,6 +81,7 @@ class Trainer:
             metrics["rollout/kl"] = masked_mean(kl, mask).item()
 
         step_metrics = []
+        self._recompute_max_diff = 0.0
         gbs, mbs = cfg.global_batch_size, cfg.micro_batch_size
         with Progress("training", total=batch.rewards.numel() // mbs) as bar:
             for step in range(cfg.num_steps_per_rollout):
@@ -76,7 +90,7 @@ class Trainer:
                 for start in range(step * gbs, (step + 1) * gbs, mbs):
                     rows = slice(start, start + mbs)
                     for key, value in self._micro_step(batch.rows(start, start + mbs), advantages[rows],
-                                                       old_log_probs[rows], ref_log_probs, rows).items():
+                                                       old_log_probs[rows], ref_log_probs, rows, step == 0).items():
                         sums[key] = sums.get(key, 0.0) + value
                     bar.advance()
                 max_norm = cfg.clip_grad if cfg.clip_grad > 0 else math.inf
@@ -85,13 +99,22 @@ class Trainer:
                 step_metrics.append(sums)
         for key in step_metrics[0]:
             metrics[key] = sum(m[key] for m in step_metrics) / len(step_metrics)
+        # Before the first update the training forward must reproduce the scoring forward.
+        metrics["train/recompute_logp_max_diff"] = self._recompute_max_diff
+        self.diagnostics = StepDiagnostics(old_log_probs, ref_log_probs,
+                                           batch.rollout_log_probs if batch.has_rollout_log_probs else None, mask,
+                                           self._recompute_max_diff)
         return metrics
 
-    def _micro_step(self, mb: TrainBatch, advantages, old_log_probs, ref_log_probs, rows) -> dict[str, float]:
+    def _micro_step(self, mb: TrainBatch, advantages, old_log_probs, ref_log_probs, rows,
+                    first_step: bool) -> dict[str, float]:
         """Forward + backward of one micro-batch. Returns its share of the step's metrics."""
         cfg, gbs = self.cfg, self.cfg.global_batch_size
         with self._autocast():
             log_probs, entropy = response_log_probs(self.model, mb, cfg.rollout_temperature, with_entropy=True)
+        if first_step:
+            diff = ((log_probs.detach() - old_log_probs).abs() * mb.mask).max().item()
+            self._recompute_max_diff = max(self._recompute_max_diff, diff)
         pg, clipped, ppo_kl = policy_loss(log_probs, old_log_probs, advantages, mb.mask, eps_clip=cfg.eps_clip,
                                           eps_clip_high=cfg.eps_clip_high,
                                           sequence_level_ratio=cfg.advantage_estimator == "gspo")

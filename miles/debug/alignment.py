@@ -1,0 +1,255 @@
+"""The step-1 `Alignment check`: is this run numerically sane before it burns a day?
+
+After the first step, each check measures one thing the debugging guide says to look at first,
+and prints one line: PASS, WARN or FAIL, the measured value, and for WARN/FAIL the likely culprit
+and the fix. `--alignment-check error` turns any FAIL into exit status 3.
+
+The checks are pure functions of numbers (bands below), so each is testable by hand; `collect`
+gathers those numbers from the first step's samples and trainer diagnostics.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+from miles.bridge.types import Sample
+from miles.errors import CheckFailed
+
+logger = logging.getLogger("miles")
+
+PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
+
+
+@dataclass
+class Check:
+    name: str
+    verdict: str
+    value: str
+    culprit: str = ""
+    fix: str = ""
+
+    def line(self) -> str:
+        text = f"Alignment check | {self.name:<24} | {self.verdict} | {self.value}"
+        if self.verdict in (WARN, FAIL):
+            text += f" | likely culprit: {self.culprit} | fix: {self.fix}"
+        return text
+
+
+# -- a. rollout coherence -----------------------------------------------------------------------
+
+def check_coherence(nll_per_token: float, vocab_size: int, repetition: float, replacement_frac: float,
+                    scorer: str) -> Check:
+    """Gibberish detector. A model whose weights did not load predicts near-uniformly: its NLL per
+    token approaches ln(vocab). Degenerate loops and U+FFFD characters are the other signatures."""
+    uniform = math.log(vocab_size)
+    value = (f"{scorer} NLL {nll_per_token:.2f}/token (uniform would be {uniform:.1f}), repeated 4-grams "
+             f"{repetition:.0%}, replacement chars in {replacement_frac:.0%} of responses")
+    if nll_per_token > 0.75 * uniform:
+        return Check("rollout coherence", FAIL, value,
+                     "the model predicts near-uniformly: parameters did not load (or a layer mapping is wrong)",
+                     "check train.log for `Loaded checkpoint from`; fix --hf-checkpoint / --load / --ref-load; "
+                     "compare weights with `miles check-weights`")
+    problems = []
+    if nll_per_token > 4.0:
+        problems.append("responses are very unlikely under the model")
+    if repetition > 0.5:
+        problems.append("responses loop")
+    if replacement_frac > 0.05:
+        problems.append("responses hold U+FFFD (broken bytes)")
+    if problems:
+        return Check("rollout coherence", WARN, value,
+                     "; ".join(problems) + ": parameter mapping wrong, buffers dropped after weight sync, or a "
+                     "pretrained (not instruct) model behind a chat template",
+                     "read the samples (`--debug-rollout-print-every 1`, `miles inspect-rollout`); "
+                     "`--check-weight-update-equal`; try the instruct model")
+    return Check("rollout coherence", PASS, value)
+
+
+# -- b. log_probs vs ref_log_probs --------------------------------------------------------------
+
+def check_policy_vs_ref(max_diff: float, kl: float, against: str) -> Check:
+    """At step 1 the actor and the reference hold the same weights: their log-probs must agree."""
+    value = f"max |log_probs - {against}| {max_diff:.3g}, KL {kl:.3g}"
+    if max_diff == 0:
+        return Check("log_probs vs ref", PASS, value + " (bitwise equal)")
+    if max_diff < 1e-4:
+        return Check("log_probs vs ref", PASS, value + " (kernel jitter)")
+    if max_diff <= 1:
+        return Check("log_probs vs ref", WARN, value,
+                     "non-deterministic kernels (fused/flash attention, atomics) or a lower-precision path in "
+                     "one of the two forwards",
+                     "--attention-backend eager (deterministic) or --deterministic-mode; same --precision for both")
+    return Check("log_probs vs ref", FAIL, value,
+                 "configuration: the two models differ (another --ref-load checkpoint, precision, or parallelism)",
+                 "point --ref-load at the initial policy (or leave it unset); re-check --precision")
+
+
+# -- c. trainer vs engine -----------------------------------------------------------------------
+
+def check_train_vs_engine(mean_diff: float, max_diff: float, precision: str) -> Check:
+    """The engine samples; the trainer scores. Their log-probs of the same tokens should agree to
+    fp32 rounding in fp32, and to bf16 rounding (~1e-2 per token on average) in bf16."""
+    value = f"train_rollout_logprob_abs_diff {mean_diff:.3g}, forward_logp_max_diff {max_diff:.3g} ({precision})"
+    if mean_diff > 0.3 or max_diff > 5:
+        return Check("trainer vs engine", FAIL, value,
+                     "the engine's weights are not the trainer's: a weight-sync / parameter-mapping bug or dropped "
+                     "buffers in the engine",
+                     "--check-weight-update-equal; `miles check-weights`; compare engine buffers")
+    bound = 1e-3 if precision == "fp32" else 0.05
+    if mean_diff > bound:
+        return Check("trainer vs engine", WARN, value,
+                     f"precision mismatch between engine and trainer beyond {precision} rounding",
+                     "--use-tis to correct the off-policy gap; same --precision and --attention-backend on both")
+    return Check("trainer vs engine", PASS, value)
+
+
+# -- d. response NLL on an instruct model -------------------------------------------------------
+
+NLL_WARN = 1.5  # per token; the guide's "slightly elevated" is ~0.8 on large instruct models
+
+
+def check_response_nll(nll_per_token: float, has_template: bool, applied_template: bool) -> Check:
+    value = f"{nll_per_token:.2f}/token"
+    if nll_per_token <= NLL_WARN:
+        return Check("response NLL", PASS, value)
+    if has_template and not applied_template:
+        culprit = "chat-template mismatch: the model has a chat template but prompts are sent raw"
+        fix = "--apply-chat-template; then `miles verify-chat-template --model DIR`"
+    else:
+        culprit = "chat-template mismatch: prompts do not look like what the model was trained on"
+        fix = "`miles verify-chat-template --model DIR`; check --input-key holds the user turn"
+    return Check("response NLL", WARN, value, culprit, fix)
+
+
+# -- e. grad_norm -------------------------------------------------------------------------------
+
+GRAD_NORM_WARN = 100.0
+
+
+def check_grad_norm(grad_norm: float) -> Check:
+    value = f"{grad_norm:.4g}"
+    if not math.isfinite(grad_norm):
+        return Check("grad_norm", FAIL, value, "NaN/Inf gradients: a bad chat template or activation overflow "
+                     "(low precision)", "--precision fp32 to confirm; `miles verify-chat-template`; lower --lr")
+    if grad_norm > GRAD_NORM_WARN:
+        return Check("grad_norm", WARN, value, "far above normal for step 1: a bad chat template, an activation "
+                     "overflow, or a broken reward signal", "`miles verify-chat-template`; --clip-grad; check rewards")
+    if grad_norm == 0:
+        return Check("grad_norm", WARN, value, "no gradient: every group's rewards are equal, so every advantage is 0",
+                     "see the reward-signal check")
+    return Check("grad_norm", PASS, value)
+
+
+# -- f. reward signal ---------------------------------------------------------------------------
+
+@dataclass
+class RewardStats:
+    n: int
+    groups: int
+    mixed_groups: int  # groups whose rewards differ: the only ones GRPO learns from
+    distinct: list[float] = field(default_factory=list)
+    missing_labels: int = 0
+    unparsable: int | None = None  # responses with no final answer (math reward only)
+    label_key: str | None = None
+
+
+def check_reward_signal(s: RewardStats) -> Check:
+    shown = ", ".join(f"{r:.3g}" for r in s.distinct[:4]) + (", ..." if len(s.distinct) > 4 else "")
+    value = (f"{len(s.distinct)} distinct reward(s) [{shown}] over {s.n} samples, "
+             f"{s.mixed_groups}/{s.groups} groups mixed, labels missing {s.missing_labels}/{s.n}")
+    if s.unparsable is not None:
+        value += f", no parsable answer in {s.unparsable}/{s.n} responses"
+    if s.missing_labels == s.n:
+        return Check("reward signal", FAIL, value, f"no sample has a label: --label-key {s.label_key!r} is wrong "
+                     "or the data has none", "pass the data's label key to --label-key")
+    if len(s.distinct) == 1:
+        culprit = (f"every reward is {s.distinct[0]}: " + ("the responses hold no parsable answer (answer format)"
+                   if s.unparsable == s.n else "the reward never fires (label format or answer format)"))
+        return Check("reward signal", FAIL if s.unparsable == s.n else WARN, value, culprit,
+                     "read samples with `--debug-rollout-print-every 1`; check --label-key, --rm-type, the prompt's "
+                     "answer instructions")
+    if s.missing_labels or (s.unparsable is not None and s.unparsable > s.n / 2) or s.mixed_groups == 0:
+        return Check("reward signal", WARN, value, "a weak reward signal: labels missing in some rows, most responses "
+                     "unparsable, or no group with mixed rewards",
+                     "check --label-key on every row; prompt for a final answer; more samples per prompt")
+    return Check("reward signal", PASS, value)
+
+
+# -- gathering the numbers and reporting ---------------------------------------------------------
+
+def repetition_rate(tokens: list[int], n: int = 4) -> float:
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    return 1 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+def reward_stats(samples: list[Sample], rm_type: str | None, label_key: str | None) -> RewardStats:
+    groups: dict[int, set[float]] = {}
+    for s in samples:
+        groups.setdefault(s.group_index, set()).add(s.reward)
+    unparsable = None
+    if rm_type == "math":
+        from miles.rollout.rewards import extract_answer
+
+        unparsable = sum(extract_answer(s.response) is None for s in samples)
+    return RewardStats(len(samples), len(groups), sum(len(r) > 1 for r in groups.values()),
+                       sorted({s.reward for s in samples}), sum(s.label is None for s in samples), unparsable,
+                       label_key)
+
+
+def report(checks: list[Check], mode: str, step: int) -> None:
+    """Logs the report; raises CheckFailed (exit 3) on a FAIL when mode is `error`."""
+    logger.info("Alignment check after step %d (--alignment-check %s):", step, mode)
+    for c in checks:
+        (logger.warning if c.verdict in (WARN, FAIL) else logger.info)(c.line())
+    counts = {v: sum(c.verdict == v for c in checks) for v in (PASS, WARN, FAIL)}
+    logger.info("Alignment check: %d PASS, %d WARN, %d FAIL", counts[PASS], counts[WARN], counts[FAIL])
+    if counts[FAIL] and mode == "error":
+        failed = ", ".join(c.name for c in checks if c.verdict == FAIL)
+        raise CheckFailed(f"alignment check failed: {failed} (see the `Alignment check` lines in train.log)")
+
+
+@dataclass
+class CheckContext:
+    """What the checks need to know about the run besides the step's numbers."""
+
+    vocab_size: int
+    precision: str
+    has_template: bool
+    applied_template: bool
+    rm_type: str | None
+    label_key: str | None
+
+
+def run_checks(samples: list[Sample], metrics: dict[str, float], diag, ctx: CheckContext) -> list[Check]:
+    """Every check that the run's sides allow: no trainer (rollout-only) means a, f only."""
+    from miles.train.losses import kl_k3, masked_mean
+
+    checks = []
+    repetition = sum(repetition_rate(s.response_tokens) for s in samples) / len(samples)
+    replacement = sum("\ufffd" in s.response for s in samples) / len(samples)
+    if diag is not None:
+        nll, scorer = -masked_mean(diag.old_log_probs, diag.mask).item(), "trainer"
+    else:
+        log_probs = [lp for s in samples for lp in s.rollout_log_probs]
+        nll, scorer = (-sum(log_probs) / len(log_probs) if log_probs else float("nan")), "engine"
+    checks.append(check_coherence(nll, ctx.vocab_size, repetition, replacement, scorer))
+
+    if diag is not None:
+        if diag.ref_log_probs is not None:
+            diff = ((diag.old_log_probs - diag.ref_log_probs).abs() * diag.mask).max().item()
+            kl = masked_mean(kl_k3(diag.old_log_probs, diag.ref_log_probs), diag.mask).item()
+            checks.append(check_policy_vs_ref(diff, kl, "ref_log_probs"))
+        else:  # no reference model in this run: the training forward must match the scoring one
+            checks.append(check_policy_vs_ref(diag.recompute_max_diff, metrics.get("train/ppo_kl", 0.0),
+                                              "recomputed log_probs"))
+        if diag.rollout_log_probs is not None:
+            checks.append(check_train_vs_engine(metrics["train/train_rollout_logprob_abs_diff"],
+                                                metrics["forward_logp_max_diff"], ctx.precision))
+        else:
+            checks.append(Check("trainer vs engine", SKIP, "the samples carry no engine log-probs"))
+        checks.append(check_response_nll(nll, ctx.has_template, ctx.applied_template))
+        checks.append(check_grad_norm(metrics["train/grad_norm"]))
+    checks.append(check_reward_signal(reward_stats(samples, ctx.rm_type, ctx.label_key)))
+    return checks
