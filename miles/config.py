@@ -84,6 +84,8 @@ class RunConfig:
     alignment_check: str  # off | warn | error
     check_weight_update_equal: bool
     debug_weight_sync: int
+    deterministic_mode: bool
+    debug_determinism: bool  # hashes.jsonl
 
 
 def build_configs(args: argparse.Namespace) -> tuple[ModelConfig, RolloutConfig, TrainConfig, RunConfig]:
@@ -102,5 +104,5 @@ def build_configs(args: argparse.Namespace) -> tuple[ModelConfig, RolloutConfig,
                     args.use_tensorboard, args.use_wandb, args.wandb_project, args.wandb_group,
                     args.debug_rollout_only, args.save_debug_rollout_data, args.load_debug_rollout_data,
                     args.debug_rollout_print_every, args.alignment_check, args.check_weight_update_equal,
-                    args.debug_weight_sync)
+                    args.debug_weight_sync, args.deterministic_mode, args.debug_determinism)
     return model, rollout, train, run

@@ -24,6 +24,7 @@ from miles.config import ModelConfig, RolloutConfig, RunConfig, TrainConfig
 from miles.data.prompts import PromptData, PromptDataset
 from miles.errors import CheckFailed
 from miles.debug.alignment import CheckContext, report, run_checks
+from miles.debug.determinism import HashWriter, enable_deterministic_mode, rollout_hashes
 from miles.debug.print_rollout import log_rollout_samples
 from miles.debug.rollout_dump import ReplaySource, save_rollout
 from miles.rollout.engine import LocalEngine
@@ -55,7 +56,10 @@ def run_training(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, train_cfg: 
     quiet_transformers()
     logger.info("miles %s | device=%s precision=%s | output_dir=%s", __version__, model_cfg.device,
                 model_cfg.precision, output_dir)
+    if run_cfg.deterministic_mode:
+        enable_deterministic_mode(run_cfg.seed, model_cfg.device, model_cfg.attention_backend)
     c = build_components(model_cfg, rollout_cfg, train_cfg, run_cfg, data, reward_fn)
+    hashes_out = HashWriter(output_dir) if run_cfg.debug_determinism else None
     save_root = Path(run_cfg.save) if run_cfg.save else output_dir / "checkpoints"
     dump_meta = dump_metadata(model_cfg, rollout_cfg, run_cfg)
     metrics_out = MetricsWriter(output_dir, tensorboard=run_cfg.use_tensorboard,
@@ -91,9 +95,12 @@ def run_training(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, train_cfg: 
                         state["data"] = c.dataset.state_dict()
                     save_checkpoint(save_root, step, c.trainer.model, c.tokenizer, state)
             metrics["perf/step_time_s"] = time.perf_counter() - step_start
+            if hashes_out is not None:
+                hashes_out.write(step, {**rollout_hashes(samples), **(c.trainer.step_hashes if c.trainer else {})})
             metrics_out.write(step, metrics)
             log_step(step, run_cfg.num_rollout, metrics)
             if step == c.start_step + 1 and run_cfg.alignment_check != "off":
+                log_rollout_samples(rollout_id, samples, limit=2)  # the guide's first look: is it coherent?
                 checks = run_checks(samples, metrics, c.trainer.diagnostics if c.trainer else None, c.check_context)
                 report(checks, run_cfg.alignment_check, step)
     finally:
@@ -135,7 +142,8 @@ def build_components(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, train_c
     else:
         policy = load_causal_lm(resume or base, **load)
         ref = load_causal_lm(model_cfg.ref_load or base, **load) if train_cfg.needs_ref else None
-        trainer = Trainer(train_cfg, policy, ref, pad_token_id=tokenizer.pad_token_id, precision=model_cfg.precision)
+        trainer = Trainer(train_cfg, policy, ref, pad_token_id=tokenizer.pad_token_id, precision=model_cfg.precision,
+                          record_hashes=run_cfg.debug_determinism)
         if engine is None:
             logger.info("--debug-train-only: no rollout engine built; weight sync is skipped")
     logger.info("Models in memory: %s", _model_memory(engine, trainer))

@@ -92,11 +92,15 @@ def reward_module(tmp_path_factory) -> str:
     return "tiny_rewards:digit_share"
 
 
-@pytest.fixture
-def tiny_args(tiny_model, prompt_file, reward_module, tmp_path):
-    """Flags for a fast 2-step run of the tiny model; tests append or override."""
+def tiny_train_args(tiny_model, prompt_file, reward_module, output_dir) -> list[str]:
     return ["train", "--hf-checkpoint", str(tiny_model), "--prompt-data", str(prompt_file),
             "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
             "--custom-rm-path", reward_module, "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
             "--rollout-max-response-len", "12", "--rollout-temperature", "1.0", "--micro-batch-size", "4",
-            "--num-rollout", "2", "--lr", "1e-3", "--output-dir", str(tmp_path / "run")]
+            "--num-rollout", "2", "--lr", "1e-3", "--output-dir", str(output_dir)]
+
+
+@pytest.fixture
+def tiny_args(tiny_model, prompt_file, reward_module, tmp_path):
+    """Flags for a fast 2-step run of the tiny model; tests append or override."""
+    return tiny_train_args(tiny_model, prompt_file, reward_module, tmp_path / "run")

@@ -45,9 +45,17 @@ def test_train_vs_engine_bands():
 
 def test_response_nll_bands():
     assert check_response_nll(0.7, True, True).verdict == PASS
-    raw = check_response_nll(2.0, True, False)
-    assert raw.verdict == WARN and "--apply-chat-template" in raw.fix
-    assert "verify-chat-template" in check_response_nll(2.0, True, True).fix
+    assert check_response_nll(0.7, False, False).verdict == PASS  # a base model without a template, used raw
+    raw = check_response_nll(0.7, True, False)  # an instruct model's template left unused
+    assert raw.verdict == WARN and "--apply-chat-template" in raw.fix and "sent raw" in raw.culprit
+    high = check_response_nll(2.0, True, True)
+    assert high.verdict == WARN and "verify-chat-template" in high.fix and "far above normal" in high.culprit
+
+
+def test_unused_chat_template_is_a_warn(tiny_args):
+    argv = [a for a in tiny_args if a != "--apply-chat-template"]
+    line = verdict_of(run(argv, "--num-rollout", "1"), "response NLL")
+    assert "| WARN |" in line and "prompts are sent raw" in line
 
 
 def test_grad_norm_bands():

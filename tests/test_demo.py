@@ -21,6 +21,9 @@ def test_demo_recipe(tmp_path):
     assert row["forward_logp_max_diff"] < 1e-4  # fp32 engine vs trainer on a real model
     log = (out / "train.log").read_text()
     assert "Loaded checkpoint from" in log and "weight_sync step=1 tensors=272" in log
+    # A clean demo run passes every alignment check.
+    checks = [line for line in log.splitlines() if "Alignment check |" in line]
+    assert len(checks) == 6 and all("| PASS |" in line for line in checks), "\n".join(checks)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step_1")

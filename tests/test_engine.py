@@ -18,6 +18,10 @@ def make_engine(path):
     return LocalEngine(model, eos_token_ids=eos_token_ids(model, tok), pad_token_id=tok.pad_token_id), tok
 
 
+def uniforms(n, seed=0):
+    return torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
 def test_greedy_takes_the_argmax_and_reports_its_log_prob():
     logits = torch.tensor([[1.0, 3.0, 2.0]])
     tok, logp = sample_tokens(logits, SamplingParams(1, 0.0, 1.0), None)
@@ -28,17 +32,25 @@ def test_greedy_takes_the_argmax_and_reports_its_log_prob():
 def test_top_p_keeps_the_nucleus_and_reports_untruncated_log_probs():
     # probs [0.6, 0.3, 0.1]: top_p 0.5 keeps token 0 alone; top_p 0.8 keeps tokens 0 and 1.
     logits = torch.log(torch.tensor([[0.6, 0.3, 0.1]])).repeat(400, 1)
-    g = torch.Generator().manual_seed(0)
-    tok, logp = sample_tokens(logits, SamplingParams(1, 1.0, 0.5), g)
+    tok, logp = sample_tokens(logits, SamplingParams(1, 1.0, 0.5), uniforms(400))
     assert set(tok.tolist()) == {0}
     assert logp[0].item() == pytest.approx(math.log(0.6), abs=1e-6)  # before truncation, as the trainer sees it
-    tok, _ = sample_tokens(logits, SamplingParams(1, 1.0, 0.8), g)
+    tok, _ = sample_tokens(logits, SamplingParams(1, 1.0, 0.8), uniforms(400, 1))
     assert set(tok.tolist()) == {0, 1}
+    assert 0.6 < (tok == 0).float().mean().item() < 0.73  # renormalised: 0.6 / 0.9 = 0.667
+
+
+def test_inverse_cdf_sampling_follows_the_distribution_exactly():
+    # u in [0, 0.5) -> token 0 (p 0.5); [0.5, 0.8) -> token 2 (token 1 has p 0); [0.8, 1) -> token 3.
+    logits = torch.log(torch.tensor([[0.5, 0.0, 0.3, 0.2]])).repeat(6, 1)
+    u = torch.tensor([0.0, 0.49, 0.5, 0.79, 0.8, 0.999], dtype=torch.float64)
+    tok, _ = sample_tokens(logits, SamplingParams(1, 1.0, 1.0), u)
+    assert tok.tolist() == [0, 0, 2, 2, 3, 3]
 
 
 def test_temperature_scales_the_reported_log_probs():
     logits = torch.tensor([[2.0, 0.0]])
-    _, logp = sample_tokens(logits.repeat(200, 1), SamplingParams(1, 2.0, 1.0), torch.Generator().manual_seed(0))
+    _, logp = sample_tokens(logits.repeat(200, 1), SamplingParams(1, 2.0, 1.0), uniforms(200))
     expected = {round(math.log(math.e / (math.e + 1)), 5), round(math.log(1 / (math.e + 1)), 5)}
     assert {round(v, 5) for v in logp.tolist()} == expected  # logits / 2 = [1, 0]
 
@@ -46,7 +58,7 @@ def test_temperature_scales_the_reported_log_probs():
 def test_generation_stops_at_eos_or_length(tiny_model):
     engine, tok = make_engine(tiny_model)
     prompts = [tok("hello")["input_ids"], tok("a much longer prompt")["input_ids"]] * 8
-    outs = engine.generate(prompts, SamplingParams(40, 1.0, 1.0), torch.Generator().manual_seed(0))
+    outs = engine.generate(prompts, SamplingParams(40, 1.0, 1.0), list(range(16)))
     assert len(outs) == 16
     for out in outs:
         assert len(out.token_ids) == len(out.log_probs) <= 40
@@ -61,9 +73,20 @@ def test_generation_stops_at_eos_or_length(tiny_model):
 def test_same_seed_same_tokens(tiny_model):
     engine, tok = make_engine(tiny_model)
     prompts = [tok("hello")["input_ids"]] * 4
-    a = engine.generate(prompts, SamplingParams(10, 1.0, 1.0), torch.Generator().manual_seed(3))
-    b = engine.generate(prompts, SamplingParams(10, 1.0, 1.0), torch.Generator().manual_seed(3))
+    a = engine.generate(prompts, SamplingParams(10, 1.0, 1.0), [3, 4, 5, 6])
+    b = engine.generate(prompts, SamplingParams(10, 1.0, 1.0), [3, 4, 5, 6])
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert len({tuple(o.token_ids) for o in a}) > 1  # different streams, different samples
+
+
+def test_a_samples_tokens_do_not_depend_on_its_batch(tiny_model):
+    """Sample 0 alone, or in a batch with other (longer) prompts in another order: same tokens."""
+    engine, tok = make_engine(tiny_model)
+    p0, p1, p2 = (tok(t)["input_ids"] for t in ("hello", "a much longer prompt here", "mid size"))
+    alone = engine.generate([p0], SamplingParams(16, 1.0, 1.0), [7])[0]
+    batched = engine.generate([p1, p2, p0], SamplingParams(16, 1.0, 1.0), [8, 9, 7])[2]
+    assert alone.token_ids == batched.token_ids
+    assert alone.log_probs == pytest.approx(batched.log_probs, abs=1e-5)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_model", "tiny_qwen"])
@@ -74,7 +97,7 @@ def test_engine_log_probs_equal_trainer_log_probs_fp32(fixture, temperature, req
     path = request.getfixturevalue(fixture)
     engine, tok = make_engine(path)
     prompts = [tok(p)["input_ids"] for p in ["1+1=", "what is seven plus two?", "x"]] * 2
-    outs = engine.generate(prompts, SamplingParams(16, temperature, 1.0), torch.Generator().manual_seed(0))
+    outs = engine.generate(prompts, SamplingParams(16, temperature, 1.0), list(range(len(prompts))))
     samples = [Sample(group_index=i, index=i, prompt="", tokens=p + o.token_ids, response_length=len(o.token_ids),
                       loss_mask=[1] * len(o.token_ids), rollout_log_probs=o.log_probs)
                for i, (p, o) in enumerate(zip(prompts, outs))]

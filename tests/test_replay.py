@@ -186,7 +186,7 @@ def test_slime_style_dump_replays(tiny_args, dumps, tmp_path):
 
 
 def test_print_every(tiny_args):
-    out = run(tiny_args, "--num-rollout", "3", "--debug-rollout-print-every", "2")
+    out = run(tiny_args, "--num-rollout", "3", "--debug-rollout-print-every", "2", "--alignment-check", "off")
     log = (out / "train.log").read_text()
     assert "rollout 0: 16 samples" in log and "rollout 2: 16 samples" in log and "rollout 1: 16" not in log
     assert log.count("      prompt:   What is") == 32 and "| mean logp -" in log and "      response: " in log

@@ -17,7 +17,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from miles.cli import train
-    from miles.debug import chat_template, check_weights, inspect_rollout
+    from miles.debug import chat_template, check_weights, diff_runs, inspect_rollout
+    from miles.debug import report
 
     parser = _Parser(prog="miles", description="RL post-training of LLMs (GRPO family) with the debugging "
                                               "workflow built in.")
@@ -27,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect_rollout.register(commands)
     check_weights.register(commands)
     chat_template.register(commands)
+    diff_runs.register(commands)
+    report.register(commands)
     return parser
 
 

@@ -88,6 +88,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--debug-weight-sync", type=int, choices=(0, 1, 2), default=0, metavar="LEVEL",
                    help="1: a checksum on each weight_sync line; 2: also one line per tensor")
 
+    g = p.add_argument_group("debug: determinism")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="bitwise-reproducible runs: seeds, deterministic kernels and attention (logged)")
+    g.add_argument("--debug-determinism", action="store_true",
+                   help="write per-step hashes (tokens, log-probs, rewards, loss, gradients, parameters) to hashes.jsonl")
+
     g = p.add_argument_group("logging")
     g.add_argument("--use-tensorboard", action="store_true", help="also write TensorBoard events to OUTPUT_DIR/tensorboard")
     g.add_argument("--use-wandb", action="store_true", help="also log to Weights & Biases (WANDB_MODE=offline works without network)")

@@ -111,16 +111,19 @@ NLL_WARN = 1.5  # per token; the guide's "slightly elevated" is ~0.8 on large in
 
 
 def check_response_nll(nll_per_token: float, has_template: bool, applied_template: bool) -> Check:
+    """Responses an instruct model finds unlikely usually mean its prompts are not in the format it
+    was trained on. The cheapest such mistake to spot is structural: a template left unused."""
     value = f"{nll_per_token:.2f}/token"
-    if nll_per_token <= NLL_WARN:
-        return Check("response NLL", PASS, value)
     if has_template and not applied_template:
-        culprit = "chat-template mismatch: the model has a chat template but prompts are sent raw"
-        fix = "--apply-chat-template; then `miles verify-chat-template --model DIR`"
-    else:
-        culprit = "chat-template mismatch: prompts do not look like what the model was trained on"
-        fix = "`miles verify-chat-template --model DIR`; check --input-key holds the user turn"
-    return Check("response NLL", WARN, value, culprit, fix)
+        return Check("response NLL", WARN, value + " (prompts sent without the model's chat template)",
+                     "chat-template mismatch: the model has a chat template but prompts are sent raw",
+                     "--apply-chat-template; then `miles verify-chat-template --model DIR`")
+    if nll_per_token > NLL_WARN:
+        return Check("response NLL", WARN, value,
+                     "far above normal: prompts do not look like what the model was trained on (chat-template "
+                     "mismatch), or a pretrained model where an instruct one is expected",
+                     "`miles verify-chat-template --model DIR`; check --input-key holds the user turn")
+    return Check("response NLL", PASS, value)
 
 
 # -- e. grad_norm -------------------------------------------------------------------------------

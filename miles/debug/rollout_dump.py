@@ -22,6 +22,7 @@ import torch
 from miles.bridge.types import Sample
 from miles.debug.templates import dump_path
 from miles.errors import UsageError
+from miles.utils.io import readable_mode
 
 logger = logging.getLogger("miles")
 
@@ -38,6 +39,7 @@ def save_rollout(template: str, rollout_id: int, samples: list[Sample], metadata
     os.close(fd)
     try:
         torch.save(payload, tmp)
+        os.chmod(tmp, readable_mode())
         os.replace(tmp, path)  # a reader never sees a half-written dump
     except BaseException:
         os.unlink(tmp)

@@ -32,8 +32,14 @@ class GenerationOutput:
     finish_reason: str  # "stop" (sampled an EOS token) or "length" (hit max_new_tokens)
 
 
-def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None):
-    """Samples one token per row of `logits` (B, V); returns (tokens (B,), log_probs (B,))."""
+def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, uniforms: torch.Tensor | None):
+    """Samples one token per row of `logits` (B, V); returns (tokens (B,), log_probs (B,)).
+
+    Sampling is by inverse CDF with one uniform number per row, drawn from that sample's own
+    random stream: a sample's tokens depend on its seed and its logits only, never on which other
+    samples share the batch (so a rollout-only capture equals the live run, and a bisect can
+    trust that a changed batch size did not change the draws).
+    """
     logits = logits.float()
     if sampling.temperature == 0:
         log_probs = torch.log_softmax(logits, dim=-1)
@@ -47,8 +53,17 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, generator: tor
         outside = sorted_probs.cumsum(-1) - sorted_probs > sampling.top_p
         sorted_probs = sorted_probs.masked_fill(outside, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    cdf = probs.cumsum(-1)  # (B, V), unnormalised after top-p
+    # The first token whose cumulative mass exceeds u * total: token k with probability p_k / total.
+    target = (uniforms.to(cdf.device) * cdf[:, -1])[:, None]
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
     return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def sample_seed(seed: int, rollout_id: int, index: int) -> int:
+    """The random stream of one sample: a function of (run seed, rollout id, sample index) only."""
+    digest = hashlib.sha256(f"miles:{seed}:{rollout_id}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -130,11 +145,13 @@ class LocalEngine:
         self,
         prompts: list[list[int]],
         sampling: SamplingParams,
-        generator: torch.Generator | None = None,
+        seeds: list[int],
         on_step: Callable[[int], None] | None = None,
     ) -> list[GenerationOutput]:
-        """Generates one response per prompt (token ids). `on_step(n)` is told of each decode step."""
+        """Generates one response per prompt (token ids), sample i drawing from the random stream
+        seeded by seeds[i]. `on_step(n)` is told of each decode step."""
         batch = len(prompts)
+        streams = [torch.Generator().manual_seed(s) for s in seeds]
         input_ids, attention_mask = self._left_pad(prompts)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
@@ -145,7 +162,8 @@ class LocalEngine:
         tokens, log_probs, stopped = [], [], []
         next_pos = position_ids[:, -1:] + 1
         for step in range(sampling.max_new_tokens):
-            tok, logp = sample_tokens(logits, sampling, generator)
+            uniforms = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in streams])
+            tok, logp = sample_tokens(logits, sampling, uniforms)
             tok = tok.masked_fill(done, self.pad_token_id)
             tokens.append(tok)
             log_probs.append(logp)

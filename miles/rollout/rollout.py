@@ -9,13 +9,11 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
-
 from miles.bridge.types import Sample, Status
 from miles.config import RolloutConfig
 from miles.data.prompts import PromptDataset, PromptRecord, render_prompt
 from miles.errors import UsageError
-from miles.rollout.engine import LocalEngine
+from miles.rollout.engine import LocalEngine, sample_seed
 from miles.rollout.rewards import RewardFn
 from miles.utils.progress import Progress
 
@@ -41,11 +39,10 @@ class RolloutManager:
         # Each prompt repeated n times, group by group: sample i answers prompt i // n.
         flat_prompts = [p for p in prompts for _ in range(cfg.n_samples_per_prompt)]
 
-        generator = torch.Generator(device=self.engine.device)
-        generator.manual_seed(cfg.seed * 1_000_003 + rollout_id)
+        seeds = [sample_seed(cfg.seed, rollout_id, i) for i in range(len(flat_prompts))]
         start = time.perf_counter()
         with Progress(f"rollout {rollout_id} generating", total=cfg.sampling.max_new_tokens) as bar:
-            outputs = self.engine.generate(flat_prompts, cfg.sampling, generator, on_step=bar.update_to)
+            outputs = self.engine.generate(flat_prompts, cfg.sampling, seeds, on_step=bar.update_to)
         gen_time = time.perf_counter() - start
 
         samples = []

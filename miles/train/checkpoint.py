@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from miles.errors import UsageError
+from miles.utils.io import readable_mode
 
 logger = logging.getLogger("miles")
 
@@ -33,6 +34,7 @@ def save_checkpoint(root: str | Path, step: int, model, tokenizer, trainer_state
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         torch.save({**trainer_state, "step": step}, tmp / TRAINER_STATE)
+        os.chmod(tmp, readable_mode(directory=True))  # mkdtemp makes 0700
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)

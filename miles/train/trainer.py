@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import struct
 from dataclasses import dataclass
 
 import torch
 
 from miles.bridge.types import Sample
 from miles.config import TrainConfig
+from miles.debug.determinism import digest, model_digest, tensor_bytes
 from miles.train.advantages import ADVANTAGE_ESTIMATORS
 from miles.train.batch import TrainBatch, response_log_probs
 from miles.train.losses import KL_ESTIMATORS, aggregate, masked_mean, policy_loss, tis_weights
@@ -33,7 +35,8 @@ class StepDiagnostics:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, model, ref_model, *, pad_token_id: int, precision: str):
+    def __init__(self, cfg: TrainConfig, model, ref_model, *, pad_token_id: int, precision: str,
+                 record_hashes: bool = False):
         self.cfg = cfg
         self.model = model.train()
         self.ref_model = ref_model.eval() if ref_model is not None else None
@@ -42,6 +45,8 @@ class Trainer:
         self.autocast_dtype = torch.bfloat16 if precision == "bf16" else None
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.diagnostics: StepDiagnostics | None = None
+        self.record_hashes = record_hashes  # --debug-determinism: digests of the step's training side
+        self.step_hashes: dict[str, str] = {}
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -80,7 +85,7 @@ class Trainer:
             metrics["rollout/ref_log_probs"] = masked_mean(ref_log_probs, mask).item()
             metrics["rollout/kl"] = masked_mean(kl, mask).item()
 
-        step_metrics = []
+        step_metrics, grad_digests = [], []
         self._recompute_max_diff = 0.0
         gbs, mbs = cfg.global_batch_size, cfg.micro_batch_size
         with Progress("training", total=batch.rewards.numel() // mbs) as bar:
@@ -93,6 +98,8 @@ class Trainer:
                                                        old_log_probs[rows], ref_log_probs, rows, step == 0).items():
                         sums[key] = sums.get(key, 0.0) + value
                     bar.advance()
+                if self.record_hashes:
+                    grad_digests.append(model_digest(self.model, grads=True))
                 max_norm = cfg.clip_grad if cfg.clip_grad > 0 else math.inf
                 sums["train/grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
                 self.optimizer.step()
@@ -101,6 +108,12 @@ class Trainer:
             metrics[key] = sum(m[key] for m in step_metrics) / len(step_metrics)
         # Before the first update the training forward must reproduce the scoring forward.
         metrics["train/recompute_logp_max_diff"] = self._recompute_max_diff
+        if self.record_hashes:
+            losses = [m["train/loss"] for m in step_metrics]
+            self.step_hashes = {"trainer_log_probs": digest(tensor_bytes(old_log_probs * mask)),
+                                "loss": digest(struct.pack(f"<{len(losses)}d", *losses)),
+                                "gradients": digest(*(d.encode() for d in grad_digests)),
+                                "parameters": model_digest(self.model)}
         self.diagnostics = StepDiagnostics(old_log_probs, ref_log_probs,
                                            batch.rollout_log_probs if batch.has_rollout_log_probs else None, mask,
                                            self._recompute_max_diff)

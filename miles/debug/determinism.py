@@ -1,0 +1,95 @@
+"""Determinism for bisecting: `--deterministic-mode` and the per-step hashes of `--debug-determinism`.
+
+`hashes.jsonl` holds, per step, one digest per component in data-flow order (COMPONENTS), so
+`miles diff-runs` can say where two runs first part: the prompts, the sampled tokens, the engine's
+log-probs, the rewards, the trainer's log-probs, the loss, the gradients, or the parameters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+from miles.bridge.types import Sample
+
+logger = logging.getLogger("miles")
+
+from miles.debug.diff_runs import COMPONENTS  # data-flow order: the first to differ is where runs part
+
+
+def enable_deterministic_mode(seed: int, device: str, attention_backend: str) -> None:
+    """Sets every switch that makes a run repeat bitwise, and logs each one."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS handle
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    settings = [f"seeds python/numpy/torch={seed}", "per-sample sampling streams from (seed, rollout id, sample index)",
+                "torch.use_deterministic_algorithms(True)", "cudnn.deterministic=True, cudnn.benchmark=False",
+                f"CUBLAS_WORKSPACE_CONFIG={os.environ['CUBLAS_WORKSPACE_CONFIG']}"]
+    if device == "cuda" and attention_backend == "sdpa":
+        # Flash and memory-efficient SDPA backwards accumulate with atomics; the math kernel does not.
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        settings.append("SDPA math kernel (flash and memory-efficient SDPA off)")
+    logger.info("--deterministic-mode: %s", "; ".join(settings))
+    caveats = []
+    if attention_backend == "flash":
+        caveats.append("--attention-backend flash: flash-attn's backward is not deterministic (use sdpa or eager)")
+    if device == "cpu":
+        caveats.append(f"CPU reductions depend on the thread count ({torch.get_num_threads()} now): compare runs "
+                       f"made with the same OMP_NUM_THREADS")
+    for caveat in caveats:
+        logger.warning("--deterministic-mode cannot cover: %s", caveat)
+
+
+def digest(*parts: bytes) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part)
+    return h.hexdigest()[:16]
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+
+
+def model_digest(model: torch.nn.Module, grads: bool = False) -> str:
+    """One digest over every parameter (or its gradient), in name order."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        t = p.grad if grads else p
+        h.update(name.encode())
+        h.update(tensor_bytes(t) if t is not None else b"none")
+    return h.hexdigest()[:16]
+
+
+def rollout_hashes(samples: list[Sample]) -> dict[str, str]:
+    def pack(fmt: str, values) -> bytes:
+        values = list(values)
+        return struct.pack(f"<{len(values)}{fmt}", *values)
+
+    return {
+        "prompts": digest(*(pack("q", s.tokens[: s.prompt_length]) for s in samples)),
+        "rollout_tokens": digest(*(pack("q", s.response_tokens) for s in samples)),
+        "rollout_log_probs": digest(*(pack("d", s.rollout_log_probs) for s in samples)),
+        "rewards": digest(pack("d", (s.reward for s in samples))),
+    }
+
+
+class HashWriter:
+    """Appends one line per step to OUTPUT_DIR/hashes.jsonl and a short line to train.log."""
+
+    def __init__(self, output_dir: Path):
+        self.path = output_dir / "hashes.jsonl"
+
+    def write(self, step: int, hashes: dict[str, str]) -> None:
+        row = {"step": step, **{k: hashes[k] for k in COMPONENTS if k in hashes}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        logger.info("determinism step=%d %s", step, " ".join(f"{k}={v[:8]}" for k, v in row.items() if k != "step"))

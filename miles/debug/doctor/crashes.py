@@ -1,0 +1,189 @@
+"""Rules whose signature is an error text: CUDA, SGLang, NCCL, Ray, torch inductor.
+
+A crash prints many errors; the useful one is usually the first (a worker's OOM, reported later as
+`RaySystemError` by the driver and as an NCCL abort by its peers). `first_error` finds it across files,
+by timestamp where the logs have them.
+"""
+
+from __future__ import annotations
+
+import re
+
+from miles.debug.doctor.findings import Evidence, Finding
+from miles.debug.doctor.readers import Corpus, LogFile
+from miles.debug.doctor.rules import TIMESTAMP, completed_steps, line_ev, rule
+
+_SGLANG_CONTEXT = re.compile(r"sglang|Scheduler|TP\d+\]|tp_worker|model_runner|cuda_graph_runner", re.IGNORECASE)
+
+
+def near(log: LogFile, i: int, pattern: str | re.Pattern, before: int = 60, after: int = 5) -> int | None:
+    """Index of the closest line within the window around `i` matching `pattern` (the line itself first)."""
+    rx = re.compile(pattern) if isinstance(pattern, str) else pattern
+    lo, hi = max(0, i - before), min(len(log.lines), i + after + 1)
+    for j in sorted(range(lo, hi), key=lambda j: abs(j - i)):
+        if rx.search(log.lines[j]):
+            return j
+    return None
+
+
+@rule
+def illegal_memory_access(c: Corpus) -> list[Finding]:
+    hits = c.grep(r"(?i)illegal memory access|cudaErrorIllegalAddress|CUDA_ERROR_ILLEGAL_ADDRESS")
+    if not hits:
+        return []
+    in_engine = [(log, i) for log, i in hits if log.kind == "sglang" or near(log, i, _SGLANG_CONTEXT, 80) is not None]
+    shown = (in_engine or hits)[:3]
+    return [Finding("illegal_memory_access", "`illegal memory access` in the " + ("SGLang engine" if in_engine else
+                    "CUDA code"), 0.85 if in_engine else 0.65, [line_ev(log, i) for log, i in shown],
+                    "an out-of-memory in disguise: the engine's static KV-cache pool leaves too little room for "
+                    "activations and CUDA graphs",
+                    "lower --sglang-mem-fraction-static (e.g. 0.7, then 0.6); if it persists, rerun with "
+                    "CUDA_LAUNCH_BLOCKING=1 to name the kernel")]
+
+
+@rule
+def out_of_memory(c: Corpus) -> list[Finding]:
+    out = []
+    for log, i in c.grep(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory|cudaErrorMemoryAllocation"):
+        if any(f.evidence[0].where.startswith(f"{log.path}:") for f in out):
+            continue  # one finding per file: a traceback repeats the error
+        steps = completed_steps(log, i)
+        if not steps:  # the trainer log may be elsewhere: metrics rows are written at the end of each step
+            rows = [m for m in c.metrics if m.name.endswith("metrics.jsonl")]
+            steps = sorted({p.step for m in rows for s in m.series.values() for p in s})
+        colocate = c.hints(r"colocate|offload[_-]train|release_memory_occupation|resume_memory_occupation")
+        evidence = [line_ev(log, i)] + [Evidence("setup", colocate[0])] * bool(colocate)
+        if colocate and len(steps) == 1:
+            out.append(Finding("oom_colocate_step2", "OOM at step 2 in colocate mode (step 1 completed)", 0.9, evidence,
+                               "the trainer's offload -> reload cycle collides with the SGLang engine on the same "
+                               "GPUs: the engine's memory fraction leaves the trainer too little",
+                               "--sglang-mem-fraction-static 0.7 (or 0.6)"))
+        else:
+            where = f" after {len(steps)} completed step(s)" if steps else " before the first step completed"
+            out.append(Finding("oom", "CUDA out of memory" + where + (" in colocate mode" if colocate else ""),
+                               0.7 if colocate else 0.65, evidence,
+                               "activations / optimizer state of the trainer, or the engine's KV cache, exceed GPU "
+                               "memory",
+                               "lower --micro-batch-size (Megatron: --max-tokens-per-gpu) or "
+                               "--rollout-max-response-len" + ("; --sglang-mem-fraction-static 0.7 (or 0.6)" if
+                                                               colocate else "")))
+    for log, i in c.grep(r"Not enough memory\. Please try to increase --mem-fraction-static")[:1]:
+        out.append(Finding("sglang_kv_too_small", "SGLang could not allocate its KV cache", 0.8, [line_ev(log, i)],
+                           "--sglang-mem-fraction-static is too low for the model's weights plus the KV cache",
+                           "raise --sglang-mem-fraction-static, or give the engine more GPUs (tensor parallel)"))
+    return out
+
+
+@rule
+def inductor_cache(c: Corpus) -> list[Finding]:
+    for log, i in c.grep(r"JSONDecodeError"):
+        j = near(log, i, r"_inductor|torchinductor", before=80)
+        if j is not None:
+            return [Finding("inductor_cache", "`JSONDecodeError` from torch inductor", 0.9,
+                            [line_ev(log, i), line_ev(log, j)], "a corrupt inductor cache (a half-written entry from "
+                            "a killed or concurrent process)",
+                            "TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 (or delete the cache: rm -rf /tmp/torchinductor_$USER)")]
+    return []
+
+
+_NCCL_TIMEOUT = (r"Watchdog caught collective operation timeout|NCCL [Tt]imeout|milliseconds before timing out|"
+                 r"Some NCCL operations have failed or timed out|NCCL communicator was aborted|"
+                 r"NCCL WARN .*(?:[Tt]imeout|timed out)")
+_WEIGHT_SYNC = r"weight_sync|update_weights|update_weight|broadcast_bucket|init_weights_update_group|OpType=BROADCAST"
+
+
+@rule
+def nccl_timeout(c: Corpus) -> list[Finding]:
+    hits = c.grep(_NCCL_TIMEOUT)
+    if not hits:
+        return []
+    sync = c.grep(_WEIGHT_SYNC)
+    evidence = [line_ev(log, i) for log, i in hits[:3]]
+    if sync:  # the last weight-sync line before (or near) the hang
+        evidence.append(line_ev(*sync[-1]))
+    warn = c.grep(r"NCCL WARN")
+    evidence += [line_ev(log, i) for log, i in warn[:1]]
+    return [Finding("nccl_timeout", "NCCL hang / timeout" + (" during weight sync" if sync else ""),
+                    0.85 if sync else 0.65, evidence,
+                    "a collective never completed: a rank stuck or dead, a mismatched broadcast group, or a first "
+                    "sync slower than the timeout",
+                    "NCCL_TIMEOUT=900 (the guide's value); NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL,P2P "
+                    "NCCL_DEBUG_FILE=/tmp/nccl_%h_%p.log to see where each rank stops; miles: --debug-weight-sync 1")]
+
+
+# -- Ray: which worker died, and the first error before it ------------------------------------------
+
+_CRASH = r"WorkerCrashed|RaySystemError|RayActorError|ActorDiedError|The actor died unexpectedly|A worker died or was killed"
+_CONSEQUENCES = {"RaySystemError", "RayActorError", "ActorDiedError", "WorkerCrashedError", "RayTaskError",
+                 "ActorUnavailableError"}
+ERROR_LINE = re.compile(r"^\s*(?:\([^)]*\)\s*)?(?:\[[^\]]*\]\s*)*(?:[\w.]+\.)?(?P<exc>[A-Z]\w*(?:Error|Exception))"
+                        r"(?:\(\w+\))?(?::|$)|CUDA error:|Segmentation fault|Fatal Python error|"
+                        r"killed due to memory pressure|Killed$")
+
+
+def _timestamp(log: LogFile, i: int) -> str | None:
+    for j in range(i, max(-1, i - 50), -1):
+        m = TIMESTAMP.search(log.lines[j])
+        if m:
+            return f"{m[1]} {m[2].replace(',', '.')}"
+    return None
+
+
+def error_lines(c: Corpus) -> list[tuple[LogFile, int]]:
+    found = []
+    for log in c.logs:
+        for i, line in enumerate(log.lines):
+            m = ERROR_LINE.search(line)
+            if m and m.groupdict().get("exc") not in _CONSEQUENCES and not re.search(_CRASH, line):
+                found.append((log, i))
+    return found
+
+
+def first_error(c: Corpus, crash: tuple[LogFile, int], pids: list[str]) -> tuple[LogFile, int] | None:
+    errors = error_lines(c)
+    own = [(log, i) for log, i in errors if any(re.search(rf"\b{p}\b", log.path.name) for p in pids)]
+    if own:  # the dead worker's own log (Ray names it worker-<id>-<job>-<pid>.err)
+        return own[0]
+    per_file: dict = {}
+    for log, i in errors:
+        per_file.setdefault(log.path, (log, i))
+    stamped = [(ts, log, i) for log, i in per_file.values() if (ts := _timestamp(log, i))]
+    if stamped:
+        _, log, i = min(stamped, key=lambda t: t[0])
+        return log, i
+    log, k = crash
+    before = [(lg, i) for lg, i in errors if lg is log and i < k]
+    return before[0] if before else (errors[0] if errors else None)
+
+
+@rule
+def worker_crashed(c: Corpus) -> list[Finding]:
+    hits = c.grep(_CRASH)
+    if not hits:
+        return []
+    log, k = hits[0]
+    window = " ".join(log.lines[k : k + 30])
+    pids = list(dict.fromkeys(re.findall(r"\bpid[=: ]+(\d+)", window)))
+    who = [f"pid {p}" for p in pids[:2]]
+    who += [f"rank {r}" for r in dict.fromkeys(re.findall(r"\b[Rr]ank[=: ]*(\d+)", window))][:2]
+    who += list(dict.fromkeys(re.findall(r"\b(\w+(?:Actor|Worker)\w*)(?=\.|\s|\()", window)))[:1]
+    who += [f"ip {ip}" for ip in dict.fromkeys(re.findall(r"\bip[=: ]+([\d.]+)", window))][:1]
+    first = first_error(c, (log, k), pids)
+    evidence = [line_ev(log, k)] + ([line_ev(*first)] if first else [])
+    culprit = (f"the first error before it: `{first[0].lines[first[1]].strip()[:200]}` ({first[0].where(first[1])})"
+               if first else "no error line found before the crash: the process was killed (OOM killer? preempted?)")
+    return [Finding("worker_crashed", "a Ray worker died" + (f" ({', '.join(who)})" if who else ""), 0.85, evidence,
+                    culprit, f"read the first error{' at ' + first[0].where(first[1]) if first else ''}, not the "
+                    "RaySystemError after it; RAY_DEDUP_LOGS=0 shows every worker's lines; worker logs: "
+                    "~/.ray/session_latest/logs/worker-*" + (f"-{pids[0]}.err" if pids else ".err"))]
+
+
+def unrecognised_error(c: Corpus) -> list[Finding]:
+    """Not a rule: when no rule matched, an error line is still worth pointing at."""
+    errors = error_lines(c)
+    if not errors:
+        return []
+    log, i = errors[0]
+    return [Finding("unrecognised_error", "an error the doctor does not recognise", 0.3, [line_ev(log, i)],
+                    "unknown: read the traceback that ends here",
+                    f"read {log.where(i)} and the lines above it; if it is a worker's, it is usually the cause")]

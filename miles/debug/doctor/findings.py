@@ -1,0 +1,59 @@
+"""The doctor's unit of output: a `Finding` (symptom, confidence, evidence, likely culprit, fix).
+
+Several rules can see the same symptom (miles' own `Alignment check` line and the metric it came from,
+say); findings with one `id` are merged so a user reads each problem once, with all its evidence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_EVIDENCE = 6  # per finding: enough to find the spot, short enough to read
+
+
+@dataclass
+class Evidence:
+    where: str  # `file:line`, or `file:line` of a metrics.jsonl row
+    text: str  # the line itself, or `step N key=value`
+
+
+@dataclass
+class Finding:
+    id: str  # stable name of the symptom (for --json users and for merging)
+    symptom: str
+    confidence: float  # 0..1: how sure the doctor is that this is the problem
+    evidence: list[Evidence] = field(default_factory=list)
+    culprit: str = ""
+    fix: str = ""
+
+    @property
+    def level(self) -> str:
+        return "high" if self.confidence >= 0.75 else "medium" if self.confidence >= 0.5 else "low"
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "symptom": self.symptom, "confidence": round(self.confidence, 2),
+                "level": self.level, "evidence": [{"where": e.where, "text": e.text} for e in self.evidence],
+                "likely_culprit": self.culprit, "fix": self.fix}
+
+
+def merge_and_rank(findings: list[Finding]) -> list[Finding]:
+    """One finding per id (the most confident one's words, everyone's evidence), most confident first.
+    Ties keep rule order, which lists the more specific rules first."""
+    by_id: dict[str, Finding] = {}
+    order: list[str] = []
+    for f in findings:
+        if f.id not in by_id:
+            by_id[f.id] = f
+            order.append(f.id)
+            continue
+        kept, other = (f, by_id[f.id]) if f.confidence > by_id[f.id].confidence else (by_id[f.id], f)
+        kept.evidence = kept.evidence + other.evidence
+        by_id[f.id] = kept
+    for f in by_id.values():
+        seen, unique = set(), []
+        for e in f.evidence:
+            if (e.where, e.text) not in seen:
+                seen.add((e.where, e.text))
+                unique.append(e)
+        f.evidence = unique[:MAX_EVIDENCE]
+    return sorted((by_id[i] for i in order), key=lambda f: -f.confidence)

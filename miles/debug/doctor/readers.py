@@ -1,0 +1,361 @@
+"""What `miles doctor` reads: walks the given paths and turns files into a `Corpus`.
+
+A path may be a miles run dir (`train.log`, `metrics.jsonl`, `hashes.jsonl`, `config.json`, rollout
+dumps), any other log folder (a Ray session's `logs/worker-*.out|err`, `/tmp/sglang/*.log`, NCCL debug
+files, wandb's `output.log`) or one file. Everything text-like is kept line by line, so a rule can
+quote `file:line`; metric values are pulled into per-source series under canonical names
+(`reward`, `grad_norm`, `kl`, ...) whether they came from `metrics.jsonl` or from the text of a
+Miles / slime / verl / TRL / Megatron log. Binaries are skipped, huge files are read head and tail.
+
+No torch at module level: only rollout dumps need it, and they import it when there are some.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from miles.errors import UsageError
+
+TEXT_SUFFIXES = {"", ".log", ".txt", ".out", ".err", ".stdout", ".stderr", ".json", ".jsonl", ".yaml", ".yml",
+                 ".md", ".csv"}
+# Model and checkpoint dirs hold big JSON (tokenizers) and weights: nothing a symptom shows in.
+SKIP_DIRS = {".git", "__pycache__", "node_modules", "checkpoints", "tensorboard", ".ipynb_checkpoints"}
+SKIP_NAMES = {"tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+              "generation_config.json", "added_tokens.json"}
+MAX_FILES = 400  # text files per invocation; a Ray session dir can hold thousands
+HEAD_BYTES, TAIL_BYTES = 4 << 20, 16 << 20  # a huge log: its start (launch, args) and its end (the crash)
+MAX_DUMPS = 3  # rollout dumps are read with torch: the first two and the last are enough
+MAX_DUMP_BYTES = 512 << 20
+
+# Metric names in Miles/slime (`rollout/...`, `train/...`), verl (`actor/...`, `critic/...`), TRL
+# (bare names) and Megatron (`grad norm`), under the canonical name the rules use.
+ALIASES = {
+    "reward": ("rollout/reward_mean", "rollout/raw_reward", "critic/score/mean", "critic/rewards/mean", "reward",
+               "rewards/mean", "train/reward"),
+    "grad_norm": ("train/grad_norm", "actor/grad_norm", "grad_norm", "grad norm"),
+    "kl": ("rollout/kl",),  # policy vs reference, measured before any update of the step
+    "kl_loss": ("train/kl_loss", "actor/kl_loss", "kl"),  # the same, as a loss term during the updates
+    "logp": ("rollout/log_probs",),
+    "ref_logp": ("rollout/ref_log_probs",),
+    "engine_logp": ("rollout/rollout_log_probs",),
+    "entropy": ("train/entropy", "actor/entropy", "entropy"),
+    "logp_diff": ("forward_logp_max_diff",),
+}
+CANONICAL = {alias: name for name, aliases in ALIASES.items() for alias in aliases}
+_NUM = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+|nan|NaN|inf|Inf|Infinity)"
+_PAIR = re.compile(r"['\"]?(?P<key>[A-Za-z_][\w/.\-]*(?: norm)?)['\"]?\s*[:=]\s*(?:tensor\()?['\"]?(?P<val>" + _NUM
+                   + r")(?![\w.])")
+_MILES_STEP = re.compile(r"\bstep (\d+)/\d+ \| (.*)")  # miles' own summary line: `step 3/10 | reward 0.5 | ...`
+_STEP = re.compile(r"(?:^|[\s\[{,'\"(])(?:step|global_step|rollout|rollout_id|iteration)['\"]?\s*[:=]?\s*(\d+)\b")
+_METRIC_HINT = re.compile("|".join(re.escape(a) for a in sorted(CANONICAL, key=len, reverse=True)))
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+_MILES_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (?:INFO|WARNING|ERROR) miles \d")
+
+
+@dataclass
+class LogFile:
+    path: Path
+    lines: list[str]
+    numbers: list[int] | None = None  # 1-based line numbers when only head and tail were read
+    kind: str = "log"  # miles-train | ray-worker | sglang | nccl | log
+
+    def line_no(self, i: int) -> int:
+        return self.numbers[i] if self.numbers else i + 1
+
+    def where(self, i: int) -> str:
+        return f"{self.path}:{self.line_no(i)}"
+
+
+@dataclass
+class Point:
+    """One metric value, with where it came from (for the evidence line)."""
+
+    step: int
+    value: float
+    where: str  # file:line
+    text: str  # the line, or `step N key=value` for metrics.jsonl
+    counted: bool = False  # the log printed no step (TRL): `step` is the value's position, not a step id
+
+
+@dataclass
+class MetricSource:
+    name: str  # the file the values came from
+    series: dict[str, list[Point]] = field(default_factory=dict)
+
+    def add(self, canonical: str, point: Point) -> None:
+        self.series.setdefault(canonical, []).append(point)
+
+
+@dataclass
+class DumpSummary:
+    path: Path
+    rollout_id: int | None
+    samples: int
+    rewards: list[float]
+    labels_missing: int
+    replacement_frac: float  # share of responses holding U+FFFD
+    repetition: float  # mean share of repeated 4-grams per response
+    logp_mean: float | None  # engine log-prob per response token
+    responses: list[str]  # the first few, for the evidence
+
+
+@dataclass
+class Corpus:
+    logs: list[LogFile] = field(default_factory=list)
+    metrics: list[MetricSource] = field(default_factory=list)
+    configs: list[tuple[Path, dict]] = field(default_factory=list)
+    dumps: list[DumpSummary] = field(default_factory=list)
+    hashes: list[tuple[Path, int]] = field(default_factory=list)  # (file, rows)
+    run_dirs: list[Path] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, why)
+    _grep_cache: dict = field(default_factory=dict, repr=False)
+
+    def grep(self, pattern: str, flags: int = 0) -> list[tuple[LogFile, int]]:
+        """(file, line index) of every log line matching `pattern`, cached (several rules share one)."""
+        key = (pattern, flags)
+        if key not in self._grep_cache:
+            rx = re.compile(pattern, flags)
+            self._grep_cache[key] = [(log, i) for log in self.logs for i, line in enumerate(log.lines)
+                                     if rx.search(line)]
+        return self._grep_cache[key]
+
+    def hints(self, pattern: str) -> list[str]:
+        """Config entries (`key=value`) and launch/argument lines (the first 2000 of each log) that match:
+        how rules learn a run's setup (MoE, colocate, async, the model name) whatever wrote it."""
+        rx = re.compile(pattern, re.IGNORECASE)
+        found = [f"{path}: {k}={v}" for path, cfg in self.configs for k, v in _flatten(cfg)
+                 if rx.search(f"{k}={v}")]
+        for log in self.logs:
+            found += [f"{log.where(i)}: {line.strip()[:200]}" for i, line in enumerate(log.lines[:2000])
+                      if rx.search(line)]
+        return found
+
+    def read_list(self) -> list[str]:
+        out = [f"{log.path} ({log.kind}, {len(log.lines)} lines{', head and tail only' if log.numbers else ''})"
+               for log in self.logs]
+        out += [f"{m.name} (metrics: {', '.join(sorted(m.series))})" for m in self.metrics
+                if not any(m.name == str(log.path) for log in self.logs)]
+        out += [f"{p} (config)" for p, _ in self.configs]
+        out += [f"{d.path} (rollout dump, {d.samples} samples)" for d in self.dumps]
+        out += [f"{p} (hashes, {n} rows)" for p, n in self.hashes]
+        return out
+
+
+def collect(paths: list[str]) -> Corpus:
+    corpus = Corpus()
+    files: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.exists():
+            raise UsageError(f"{raw}: no such file or directory")
+        files += [path] if path.is_file() else _walk(path, corpus)
+    dumps: list[Path] = []
+    for path in dict.fromkeys(files):  # keep order, drop duplicates
+        if path.suffix == ".pt":
+            dumps.append(path)
+        elif len(corpus.logs) + len(corpus.configs) >= MAX_FILES:
+            corpus.skipped.append((str(path), f"over the {MAX_FILES}-file limit"))
+        else:
+            _read_file(path, corpus)
+    _read_dumps(dumps, corpus)
+    corpus.run_dirs = sorted({log.path.parent for log in corpus.logs if log.kind == "miles-train"}
+                             | {Path(m.name).parent for m in corpus.metrics if m.name.endswith("metrics.jsonl")})
+    if not (corpus.logs or corpus.metrics or corpus.configs or corpus.dumps):
+        why = "; ".join(f"{p}: {w}" for p, w in corpus.skipped[:3])
+        raise UsageError(f"{' '.join(paths)}: no log, metrics, config or rollout dump files to read"
+                         + (f" ({why})" if why else ""))
+    return corpus
+
+
+def _walk(root: Path, corpus: Corpus) -> list[Path]:
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+        for name in sorted(filenames):
+            path = Path(dirpath, name)
+            if name in SKIP_NAMES or name.startswith("."):
+                continue
+            if path.suffix == ".pt" or path.suffix.lower() in TEXT_SUFFIXES or re.search(r"\.log\.\d+$", name):
+                found.append(path)
+    return found
+
+
+def _read_file(path: Path, corpus: Corpus) -> None:
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(HEAD_BYTES)
+            if b"\0" in head[:8192]:
+                corpus.skipped.append((str(path), "binary"))
+                return
+            tail, skipped_newlines = b"", 0
+            if size > HEAD_BYTES + TAIL_BYTES:
+                # Count the newlines in between so the tail's line numbers are still true.
+                while f.tell() < size - TAIL_BYTES:
+                    skipped_newlines += f.read(min(8 << 20, size - TAIL_BYTES - f.tell())).count(b"\n")
+                tail = f.read()
+            else:
+                head += f.read()
+    except OSError as e:
+        corpus.skipped.append((str(path), e.strerror or type(e).__name__))
+        return
+    if path.name == "config.json" or (path.suffix == ".json" and size < (1 << 20)):
+        try:
+            data = json.loads(head)
+            if isinstance(data, dict):
+                corpus.configs.append((path, data))
+                return
+        except ValueError:
+            pass  # not JSON after all: read it as text
+    if path.suffix == ".jsonl" and _read_jsonl(path, head, corpus):
+        return
+    numbers = None
+    lines = _decode(head)
+    if tail:
+        head_lines = len(lines)
+        tail_lines = _decode(tail)[1:]  # the first tail line is cut
+        numbers = list(range(1, head_lines + 1)) + list(range(head.count(b"\n") + skipped_newlines + 2,
+                                                               head.count(b"\n") + skipped_newlines + 2
+                                                               + len(tail_lines)))
+        lines += tail_lines
+    log = LogFile(path, lines, numbers, _kind(path, lines))
+    corpus.logs.append(log)
+    if log.kind == "miles-train" and (path.parent / "metrics.jsonl").is_file():
+        return  # the same numbers, more precise, come from metrics.jsonl
+    source = _text_metrics(log)
+    if source.series:
+        corpus.metrics.append(source)
+
+
+def _decode(data: bytes) -> list[str]:
+    return [_ANSI.sub("", line) for line in data.decode("utf-8", errors="replace").splitlines()]
+
+
+def _kind(path: Path, lines: list[str]) -> str:
+    if any(_MILES_LOG.match(line) for line in lines[:20]):
+        return "miles-train"
+    if re.match(r"(python-core-)?worker-", path.name) or "raylet" in path.name:
+        return "ray-worker"
+    if "sglang" in str(path).lower() or any("sglang" in line for line in lines[:50]):
+        return "sglang"
+    if "nccl" in path.name.lower() or any(" NCCL INFO " in line for line in lines[:50]):
+        return "nccl"
+    return "log"
+
+
+def _read_jsonl(path: Path, data: bytes, corpus: Corpus) -> bool:
+    """metrics.jsonl (or any JSON-lines file of per-step numbers) -> a MetricSource; hashes -> a count."""
+    rows = []
+    for n, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a half-written last line of a crashed run
+        if isinstance(row, dict):
+            rows.append((n, row))
+    if not rows:
+        return False
+    if path.name == "hashes.jsonl":
+        corpus.hashes.append((path, len(rows)))
+        return True
+    source = MetricSource(str(path))
+    for k, (n, row) in enumerate(rows, 1):
+        step = row.get("step", row.get("global_step", k))
+        for key, raw in row.items():
+            value = _number(raw)
+            if key in CANONICAL and value is not None and isinstance(step, (int, float)):
+                source.add(CANONICAL[key], Point(int(step), value, f"{path}:{n}", f"step {step} {key}={raw!r}"))
+    if not source.series:
+        return False
+    corpus.metrics.append(source)
+    return True
+
+
+def _text_metrics(log: LogFile) -> MetricSource:
+    source = MetricSource(str(log.path))
+    counters: dict[str, int] = {}
+    for i, line in enumerate(log.lines):
+        if not _METRIC_HINT.search(line):
+            continue
+        miles = _MILES_STEP.search(line)
+        if miles:  # `step 3/10 | reward 0.500 | grad_norm nan | ...`
+            step = int(miles.group(1))
+            pairs = [p.split(" ", 1) for p in miles.group(2).split(" | ") if " " in p]
+        else:
+            m = _STEP.search(line)
+            step = int(m.group(1)) if m else None
+            pairs = [(p.group("key"), p.group("val")) for p in _PAIR.finditer(line)]
+        for key, raw in pairs:
+            canonical = CANONICAL.get(key.strip().lower())
+            value = _number(raw)
+            if canonical is None or value is None:
+                continue
+            # TRL prints dicts without a step: count them per metric instead.
+            counters[canonical] = counters.get(canonical, 0) + 1
+            source.add(canonical, Point(step if step is not None else counters[canonical], value, log.where(i),
+                                        line.strip()[:300], counted=step is None))
+    return source
+
+
+def _number(raw) -> float | None:
+    if isinstance(raw, bool):
+        return None
+    if isinstance(raw, (int, float)):
+        return float(raw)
+    if isinstance(raw, str):
+        try:
+            return float(raw.strip().strip("'\"").replace("Infinity", "inf"))
+        except ValueError:
+            return None
+    return None
+
+
+def _read_dumps(paths: list[Path], corpus: Corpus) -> None:
+    if not paths:
+        return
+
+    def rollout_id(p: Path):
+        digits = re.findall(r"\d+", p.stem)
+        return (int(digits[-1]) if digits else -1, str(p))
+
+    paths = sorted(paths, key=rollout_id)
+    chosen = paths if len(paths) <= MAX_DUMPS else paths[: MAX_DUMPS - 1] + paths[-1:]
+    corpus.skipped += [(str(p), f"rollout dump beyond the first {MAX_DUMPS - 1} and the last")
+                       for p in paths if p not in chosen]
+    from miles.debug.rollout_dump import read_dump, samples_from_dump  # imports torch
+
+    for path in chosen:
+        if path.stat().st_size > MAX_DUMP_BYTES:
+            corpus.skipped.append((str(path), "rollout dump too large"))
+            continue
+        try:
+            payload = read_dump(path)
+            n_per_prompt = int((payload.get("metadata") or {}).get("n_samples_per_prompt") or 1)
+            samples = samples_from_dump(payload, path, n_per_prompt)
+        except (UsageError, ValueError, TypeError) as e:
+            corpus.skipped.append((str(path), f"not a readable rollout dump: {e}"))
+            continue
+        log_probs = [lp for s in samples for lp in s.rollout_log_probs]
+        corpus.dumps.append(DumpSummary(
+            path, payload.get("rollout_id"), len(samples), [float(s.reward) for s in samples],
+            sum(s.label is None for s in samples), sum("\ufffd" in s.response for s in samples) / len(samples),
+            sum(_repetition(s.response_tokens) for s in samples) / len(samples),
+            sum(log_probs) / len(log_probs) if log_probs else None, [s.response for s in samples[:3]]))
+
+
+def _repetition(tokens: list[int], n: int = 4) -> float:
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    return 1 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+def _flatten(d: dict, prefix: str = ""):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _flatten(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+

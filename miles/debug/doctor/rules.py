@@ -1,0 +1,333 @@
+"""The doctor's knowledge: one rule per symptom of the debugging guide, each from its real signature.
+
+A rule is a function `Corpus -> list[Finding]`, registered with `@rule`. Signatures are the texts that
+the failing component really prints (CUDA, SGLang, NCCL, Ray, Megatron, torch inductor), the metric
+values miles / Miles / slime / verl / TRL log, and miles' own verdict lines (`Alignment check`,
+`weight_sync check FAIL`). Confidence: 0.85-0.95 when the signature names the problem outright, ~0.6
+when it needs context the logs may not hold, below 0.5 for "worth a look".
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+
+from miles.debug.doctor.findings import Evidence, Finding
+from miles.debug.doctor.readers import Corpus, LogFile, MetricSource, Point
+
+RULES: list[Callable[[Corpus], list[Finding]]] = []
+
+
+def rule(fn):
+    RULES.append(fn)
+    return fn
+
+
+def line_ev(log: LogFile, i: int) -> Evidence:
+    return Evidence(log.where(i), log.lines[i].strip()[:300])
+
+
+def point_ev(p: Point) -> Evidence:
+    return Evidence(p.where, p.text)
+
+
+LOADED = r"(?i)loaded checkpoint from"
+MILES_STEP = re.compile(r"\bstep (\d+)/\d+ \||^\s*(?:\(.*?\)\s*)?.*?\bstep (\d+): \{|\bstep:(\d+) - |\biteration\s+(\d+)/")
+TIMESTAMP = re.compile(r"(\d{4}-\d\d-\d\d)[ T](\d\d:\d\d:\d\d(?:[.,]\d+)?)")
+
+
+def completed_steps(log: LogFile, before: int) -> list[int]:
+    """Step ids of the per-step summary lines (miles, slime, verl, Megatron) above line `before`."""
+    steps = []
+    for line in log.lines[:before]:
+        m = MILES_STEP.search(line)
+        if m:
+            steps.append(int(next(g for g in m.groups() if g is not None)))
+    return sorted(set(steps))
+
+
+def first_step(source: MetricSource, *names: str) -> tuple[int, dict[str, list[Point]]] | None:
+    """The run's first step (0 or 1; a resumed run has none) and its finite values for `names`."""
+    points = [p for n in names for p in source.series.get(n, []) if not getattr(p, "counted", False)]
+    if not points:
+        return None
+    step = min(p.step for p in points)
+    if step > 1:
+        return None
+    return step, {n: [p for p in source.series.get(n, []) if p.step == step and math.isfinite(p.value)]
+                  for n in names}
+
+
+# -- miles' own verdicts ---------------------------------------------------------------------------
+
+_ALIGN = re.compile(r"Alignment check \| (?P<name>[^|]+?)\s*\| (?P<verdict>WARN|FAIL) \| (?P<value>.*?)"
+                    r"(?: \| likely culprit: (?P<culprit>.*?) \| fix: (?P<fix>.*))?$")
+_ALIGN_IDS = {"rollout coherence": "garbled_rollout", "log_probs vs ref": "kl_step1",
+              "trainer vs engine": "train_engine_mismatch", "response NLL": "instruct_logp",
+              "reward signal": "reward_constant", "grad_norm": "grad_norm_high"}
+
+
+@rule
+def alignment_checks(c: Corpus) -> list[Finding]:
+    """miles' step-1 report already names culprit and fix; surface its WARN/FAIL lines."""
+    out = []
+    for log, i in c.grep(r"Alignment check \| .*\| (?:WARN|FAIL) \|"):
+        m = _ALIGN.search(log.lines[i].rstrip())
+        if not m:
+            continue
+        name, verdict, value = m["name"].strip(), m["verdict"], m["value"].strip()
+        fid = _ALIGN_IDS.get(name, "alignment_" + re.sub(r"\W+", "_", name))
+        if name == "grad_norm" and re.match(r"-?(nan|inf)", value, re.I):
+            fid = "nan_grad"
+        out.append(Finding(fid, f"Alignment check {verdict}: {name} ({value})", 0.85 if verdict == "FAIL" else 0.6,
+                           [line_ev(log, i)], m["culprit"] or "see the line", m["fix"] or "see the line"))
+    return out
+
+
+@rule
+def weight_sync_checks(c: Corpus) -> list[Finding]:
+    out = []
+    for log, i in c.grep(r"weight_sync (?:buffer )?check FAIL|checksum_ok=false"):
+        line = log.lines[i]
+        parts = re.search(r"likely culprit: (.*?) \| fix: (.*)$", line)
+        if "buffer check FAIL" in line:
+            out.append(Finding("engine_buffers_dropped", "the engine dropped or changed buffers during weight sync "
+                               "(rollouts turn garbled although parameters loaded)", 0.9, [line_ev(log, i)],
+                               parts[1] if parts else "the engine released buffers while updating weights",
+                               parts[2] if parts else "re-create the buffers after each weight update"))
+        else:
+            out.append(Finding("weight_sync_mismatch", "engine weights differ from the trainer's after weight sync",
+                               0.9, [line_ev(log, i)],
+                               parts[1] if parts else "weight-sync or parameter-mapping bug (e.g. a layer-offset "
+                                                      "bug with pipeline stages)",
+                               parts[2] if parts else "`miles check-weights CKPT ENGINE_URL`; `--debug-weight-sync 2` "
+                                                      "names the tensors"))
+    return out
+
+
+# -- the first step: did the weights load, is the rollout coherent, is KL 0 -------------------------
+
+@rule
+def checkpoint_not_loaded(c: Corpus) -> list[Finding]:
+    out = []
+    for log, i in c.grep(r"(?i)will not load any checkpoints and will start from random|could not find the "
+                         r"metadata file"):
+        out.append(Finding("no_checkpoint_loaded", "the trainer started from random weights: no checkpoint found",
+                           0.9, [line_ev(log, i)], "--load / --ref-load name a dir with no checkpoint in it "
+                           "(Megatron reads latest_checkpointed_iteration.txt)",
+                           "point --load / --ref-load at the converted checkpoint dir (and --hf-checkpoint at the HF "
+                           "model); check the path exists on every node"))
+    loaded = c.grep(LOADED)
+    for log in (log for log in c.logs if log.kind == "miles-train"):
+        built = [i for i, line in enumerate(log.lines) if "Models in memory:" in line]
+        if not built:
+            continue  # the run stopped before its models were built: a crash rule has the story
+        i = built[-1]
+        start = max([j for j, line in enumerate(log.lines[:i]) if re.search(r" miles \d+\.\S+ \| device=", line)],
+                    default=0)
+        n_loaded = sum(1 for lg, j in loaded if lg is log and start <= j < i)
+        n_models = log.lines[i].split("Models in memory:", 1)[1].count("MiB")
+        if n_loaded < n_models:
+            out.append(Finding("no_checkpoint_loaded", f"{n_models} model(s) built but {n_loaded} `Loaded checkpoint "
+                               "from` line(s): parameters did not load", 0.85 if n_loaded == 0 else 0.6,
+                               [line_ev(log, i)], "a model was built without loading its weights",
+                               "check --hf-checkpoint / --load / --ref-load point at real checkpoints"))
+    if not loaded and not out:
+        steps = c.grep(r"\bstep \d+: \{|\biteration\s+\d+/")
+        megatron = c.hints(r"megatron")
+        if steps and megatron:
+            log, i = steps[0]
+            out.append(Finding("no_checkpoint_loaded", "no `loaded checkpoint from` line in a Megatron-based run "
+                               "that trained", 0.5, [line_ev(log, i), Evidence("hint", megatron[0])],
+                               "parameters did not load (or the log starts after loading)",
+                               "check --load / --ref-load; Megatron prints `successfully loaded checkpoint from`"))
+    return out
+
+
+@rule
+def garbled_rollout(c: Corpus) -> list[Finding]:
+    out = []
+    loaded = bool(c.grep(LOADED))
+    for d in c.dumps:
+        signs = []
+        if d.replacement_frac > 0.05:
+            signs.append(f"{d.replacement_frac:.0%} of responses hold U+FFFD (broken bytes)")
+        if d.repetition > 0.5:
+            signs.append(f"{d.repetition:.0%} of 4-grams repeat (degenerate loops)")
+        if d.logp_mean is not None and d.logp_mean < -5:
+            signs.append(f"engine log-prob {d.logp_mean:.2f}/token (near-uniform predictions)")
+        if not signs:
+            continue
+        shown = Evidence(str(d.path), f"rollout {d.rollout_id}: {'; '.join(signs)}; e.g. {d.responses[0][:120]!r}")
+        if loaded:
+            culprit = ("parameters loaded, so: a chat-template mismatch (a pretrained model behind a chat template, "
+                       "or the wrong template), or the engine dropped buffers during weight sync")
+            fix = ("`miles verify-chat-template --model DIR`; try the instruct model; `--check-weight-update-equal` "
+                   "(checks engine buffers); `miles inspect-rollout " + str(d.path) + "`")
+        else:
+            culprit = "no `Loaded checkpoint from` line: the parameters probably did not load"
+            fix = "check --hf-checkpoint / --load / --ref-load; `miles check-weights` against the checkpoint"
+        out.append(Finding("garbled_rollout", "garbled rollout" + (" although parameters loaded" if loaded else ""),
+                           0.8 if len(signs) > 1 or d.replacement_frac > 0.2 else 0.65, [shown], culprit, fix))
+    return out
+
+
+@rule
+def kl_at_step_one(c: Corpus) -> list[Finding]:
+    """At step 1 actor and reference are the same weights: log_probs == ref_log_probs, KL == 0."""
+    out = []
+    for src in c.metrics:
+        first = first_step(src, "kl", "logp", "ref_logp", "kl_loss")
+        if first is None:
+            continue
+        step, pts = first
+        measures = [(abs(p.value), p, 1.0) for p in pts["kl"]]
+        for lp in pts["logp"][:1]:
+            for ref in pts["ref_logp"][:1]:
+                measures.append((abs(lp.value - ref.value), lp, 1.0))
+                measures.append((abs(lp.value - ref.value), ref, 1.0))
+        if not measures:  # only a training-time KL loss: after a first update it may move legitimately
+            measures = [(abs(p.value), p, 0.7) for p in pts["kl_loss"]]
+        if not measures:
+            continue
+        value, _, weight = max(measures, key=lambda m: m[0])
+        evidence = [point_ev(p) for v, p, _ in measures if v == value or v > 1e-4][:4]
+        if value > 1:
+            out.append(Finding("kl_step1", f"KL > 1 at step {step} (|log_probs - ref_log_probs| {value:.3g}): the "
+                               "actor and the reference differ", 0.85 * weight, evidence,
+                               "configuration: --ref-load is another checkpoint than the initial policy, or the two "
+                               "models run with different precision / parallelism",
+                               "point --ref-load at the initial policy (miles: leave it unset); same --precision; "
+                               "re-check TP/PP/CP sizes of actor and reference"))
+        elif value > 1e-4:
+            out.append(Finding("kl_step1", f"KL != 0 at step {step} (|log_probs - ref_log_probs| {value:.3g}, above "
+                               "kernel jitter 1e-4)", 0.75 * weight, evidence,
+                               "non-deterministic fused attention (Transformer Engine under context parallel) or "
+                               "another non-deterministic kernel in one of the two forwards",
+                               "--attention-backend flash (forces deterministic Flash Attention in Megatron/TE); in "
+                               "miles --attention-backend eager or --deterministic-mode"))
+    return out
+
+
+_INSTRUCT = re.compile(r"instruct|-chat\b|chat-|[-_]it\b|-sft\b", re.IGNORECASE)
+_MODEL_KEYS = r"hf[_-]checkpoint|model[_.]path|model_name_or_path|pretrain\b|--model\b"
+
+
+@rule
+def instruct_logp(c: Corpus) -> list[Finding]:
+    """~0.8 nats/token on an instruct model sampling its own answers: its prompts are not in its format."""
+    models = [h for h in c.hints(_MODEL_KEYS) if _INSTRUCT.search(h.split(":", 1)[-1])]
+    if not models:
+        return []
+    no_template = c.hints(r"apply_chat_template=(False|false|0)\b")
+    out = []
+    for src in c.metrics:
+        first = first_step(src, "logp", "engine_logp")
+        if first is None:
+            continue
+        step, pts = first
+        p = (pts["logp"] or pts["engine_logp"] or [None])[0]
+        if p is None or not 0.6 <= -p.value <= 3.0:
+            continue
+        out.append(Finding("instruct_logp", f"log-prob {p.value:.2f}/token at step {step} on an instruct model "
+                           "(normal is ~0.1-0.4)", 0.75 if no_template else 0.6,
+                           [point_ev(p), Evidence("model", models[0])] + [Evidence("config", no_template[0])] * bool(
+                               no_template), "chat-template mismatch: the prompts are not in the format the model "
+                           "was trained on" + (" (the chat template is not applied)" if no_template else ""),
+                           "--apply-chat-template; `miles verify-chat-template --model DIR`; check --input-key holds "
+                           "the user turn"))
+    return out
+
+
+# -- over many steps ------------------------------------------------------------------------------
+
+_MOE = r"\bmoe\b|moe[_-]|num_experts|num_local_experts|n_routed_experts|expert[_-]model[_-]parallel|mixtral|-a\d+b\b"
+
+
+@rule
+def moe_collapse(c: Corpus) -> list[Finding]:
+    out = []
+    for src in c.metrics:
+        pts = sorted((p for p in src.series.get("reward", []) if math.isfinite(p.value)), key=lambda p: p.step)
+        if len(pts) < 30:
+            continue
+        values = [p.value for p in pts]
+        rolling = [sum(values[max(0, k - 4): k + 1]) / len(values[max(0, k - 4): k + 1]) for k in range(len(values))]
+        base, final = sum(values[:5]) / 5, sum(values[-5:]) / 5
+        k_peak = max(range(len(rolling)), key=rolling.__getitem__)
+        peak = rolling[k_peak]
+        if not (peak - base > 0.1 * max(abs(peak), 1e-6) and final <= base + 0.25 * (peak - base)):
+            continue
+        k_drop = next(k for k in range(k_peak, len(rolling)) if rolling[k] < (peak + final) / 2)
+        if pts[k_drop].step < 20:
+            continue
+        evidence = [point_ev(pts[k_peak]), point_ev(pts[k_drop]), point_ev(pts[-1])]
+        moe = c.hints(_MOE)
+        replay = c.hints(r"routing[_-]replay")
+        what = f"reward collapses after step ~{pts[k_drop].step} (peak {peak:.3g}, now {final:.3g})"
+        if moe:
+            out.append(Finding("moe_collapse", "MoE training collapse: " + what, 0.55 if replay else 0.8,
+                               evidence + [Evidence("MoE", moe[0])],
+                               "expert routing differs between the engine (rollout) and the trainer: routing not "
+                               "replayed" + (" although routing replay is on (check it reaches the trainer)"
+                                             if replay else " (R3 off)"),
+                               "--use-rollout-routing-replay (R3: replay the engine's expert choices in training) or "
+                               "--use-routing-replay; MoE in Megatron also needs --moe-permute-fusion"))
+        else:
+            out.append(Finding("reward_collapse", what, 0.45, evidence,
+                               "the policy drifted: learning rate too high, or an off-policy gap between engine "
+                               "and trainer growing over steps",
+                               "lower --lr; --use-tis; watch train/train_rollout_logprob_abs_diff over steps"))
+    return out
+
+
+@rule
+def nan_gradients(c: Corpus) -> list[Finding]:
+    evidence = []
+    for src in c.metrics:
+        bad = [p for p in src.series.get("grad_norm", []) if not math.isfinite(p.value)]
+        evidence += [point_ev(p) for p in bad[:2]]
+    for log, i in c.grep(r"(?i)found (?:nan|inf) in local grad norm|nan or inf found in input tensor|"
+                         r"loss is (?:nan|inf)\b|detected (?:nan|inf) (?:in|gradient)")[:3]:
+        evidence.append(line_ev(log, i))
+    if not evidence:
+        return []
+    fp8 = c.hints(r"fp8")
+    culprit = ("activation overflow in FP8, or a bad chat template" if fp8 else
+               "a bad chat template (garbage prompts give extreme log-probs), or activation overflow in low precision")
+    return [Finding("nan_grad", "NaN/Inf gradients", 0.9, evidence + [Evidence("fp8", fp8[0])] * bool(fp8), culprit,
+                    ("turn FP8 off (drop --fp8-format) to confirm; " if fp8 else "--precision fp32 to confirm; ")
+                    + "`miles verify-chat-template --model DIR`; keep --clip-grad 1.0")]
+
+
+@rule
+def rewards_constant(c: Corpus) -> list[Finding]:
+    culprit = ("the reward never fires: labels read from the wrong key (a --label-key typo leaves them empty), "
+               "or the responses' answer format is not what the reward parses")
+    fix = ("check --label-key against the data's keys; read samples (`--debug-rollout-print-every 1`, "
+           "`miles inspect-rollout DUMP`); make the prompt ask for the format --rm-type parses (e.g. \\boxed{})")
+    out = []
+    for log, i in c.grep(r"rows of .* have no .* label: their reward is 0"):
+        out.append(Finding("reward_constant", "prompts without labels: their reward is 0", 0.9, [line_ev(log, i)],
+                           "--label-key names a key the data rows lack (typo?)", fix))
+    for src in c.metrics:
+        pts = [p for p in src.series.get("reward", []) if math.isfinite(p.value)]
+        if len(pts) < 2 or len({p.value for p in pts}) > 1:
+            continue
+        value = pts[0].value
+        what = "all zero" if value == 0 else f"constant at {value:.3g}"
+        out.append(Finding("reward_constant", f"rewards {what} over {len(pts)} steps: no learning signal",
+                           (0.8 if value == 0 else 0.6) if len(pts) >= 3 else 0.55,
+                           [point_ev(pts[0]), point_ev(pts[-1])], culprit, fix))
+    dumps = [d for d in c.dumps if d.samples > 1]
+    if dumps and all(d.labels_missing == d.samples for d in dumps):
+        out.append(Finding("reward_constant", "no sample in the rollout dumps has a label", 0.85,
+                           [Evidence(str(d.path), f"labels missing {d.labels_missing}/{d.samples}") for d in dumps],
+                           "--label-key names a key the data rows lack (typo?)", fix))
+    elif dumps and len({r for d in dumps for r in d.rewards}) == 1:
+        r = dumps[0].rewards[0]
+        out.append(Finding("reward_constant", f"every sample in the rollout dumps has reward {r:g}", 0.7,
+                           [Evidence(str(d.path), f"{d.samples} samples, rewards all {r:g}") for d in dumps],
+                           culprit, fix))
+    return out

@@ -1,0 +1,322 @@
+"""`miles report RUN_DIR`: the run as pictures, in one offline HTML page.
+
+    miles report runs/20250101-120000                        # RUN_DIR/report.html + RUN_DIR/report/*.png
+    miles report RUN_DIR --dumps 'dumps/data_{rollout_id}.pt'  # dumps other than config.json's
+    miles report RUN_DIR --model DIR --dumps dumps/data_3.pt    # score that dump's tokens with these weights
+
+Plots the metrics of `metrics.jsonl` over steps (reward, response length, KL, grad norm, trainer vs
+engine log-prob difference) and, from the rollout dumps, a scatter of the trainer's per-token
+log-probs against the engine's. Dumps hold only the engine's log-probs, so the trainer's are
+recomputed for one dump: the first whose sampling weights are at hand (the base model for rollout 0,
+checkpoint `step_K` for rollout K), or with `--model`, the first dump found. A plot whose data is
+absent is skipped with a note on the page. The page needs no network and no JavaScript: the PNGs
+sit in RUN_DIR/report/ and are linked relatively.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import html
+import io
+import json
+import math
+import os
+import re
+from datetime import datetime
+from pathlib import Path
+
+from miles.errors import UsageError
+from miles.utils.io import atomic_write_bytes
+
+# (file stem, title, panels: each a list of metric keys drawn on one axis, log y-scale)
+PLOTS = [
+    ("reward", "Reward mean", [["rollout/reward_mean"]], False),
+    ("response_length", "Response length (tokens)", [["rollout/response_len_mean"]], False),
+    ("kl", "KL to reference / PPO KL", [["rollout/kl", "train/kl_loss"], ["train/ppo_kl"]], False),
+    ("grad_norm", "Gradient norm (before clipping)", [["train/grad_norm"]], False),
+    ("logprob_diff", "Trainer vs engine log-prob difference",
+     [["train/train_rollout_logprob_abs_diff", "forward_logp_max_diff"]], True),
+]
+MAX_SCORED_SAMPLES = 64  # of one dump; scoring is a forward pass per sample: keep the report cheap on big models
+
+
+def register(commands) -> None:
+    p = commands.add_parser("report", help="write RUN_DIR/report.html (+ PNG plots) of a run's metrics",
+                            description=__doc__.splitlines()[0])
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run's --output-dir (holds metrics.jsonl)")
+    p.add_argument("--dumps", metavar="TEMPLATE_OR_GLOB",
+                   help="rollout dumps for the log-prob scatter (default: config.json's --save-debug-rollout-data)")
+    p.add_argument("--model", metavar="DIR", help="HF model dir that scores the first dump's tokens (default: the "
+                                                   "weights that dump was sampled with, when they are at hand)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise UsageError(f"RUN_DIR {run_dir} is not a directory")
+    if args.model and not Path(args.model, "config.json").is_file():
+        raise UsageError(f"--model {args.model}: not an HF model dir (no config.json)")
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    config_path = run_dir / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    out_dir, notes, figures = run_dir / "report", [], []
+    for stem, title, panels, log in PLOTS:
+        png = line_plot(rows, title, panels, log, notes)
+        if png is not None:
+            atomic_write_bytes(out_dir / f"{stem}.png", png)
+            figures.append((f"report/{stem}.png", title, ""))
+    png, caption = logprob_scatter(run_dir, config, args, notes)
+    if png is not None:
+        atomic_write_bytes(out_dir / "logprob_scatter.png", png)
+        figures.append(("report/logprob_scatter.png", "Trainer vs engine per-token log-probs", caption))
+    atomic_write_bytes(run_dir / "report.html", render_html(run_dir, rows, config, figures, notes).encode())
+    print(f"Wrote {run_dir / 'report.html'} ({len(figures)} plots in {out_dir})")
+    for note in notes:
+        print(f"note: {note}")
+    return 0
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Rows by step; NaN/Inf arrive as the strings "nan"/"inf" and become floats again."""
+    if not path.is_file():
+        raise UsageError(f"{path} does not exist: RUN_DIR must be a run's --output-dir with at least one step")
+    by_step: dict[int, dict] = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{path}:{n}: not a JSON object ({e.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise UsageError(f"{path}:{n}: a metrics row needs an integer \"step\"")
+        by_step[row["step"]] = {k: _number(v) for k, v in row.items()}  # a resumed run's rerun step wins
+    if not by_step:
+        raise UsageError(f"{path} holds no steps yet")
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _number(v):
+    if isinstance(v, str) and v.strip().lower().lstrip("+-") in ("nan", "inf", "infinity"):
+        return float(v)
+    return v
+
+
+def _figure(panels: int):
+    # The Agg canvas directly, not pyplot: no global backend switch, nothing that wants a display.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    # Panels stack vertically so every PNG keeps one width and its text stays legible in the page.
+    fig = Figure(figsize=(7.0, 0.6 + 2.8 * panels), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, [fig.add_subplot(panels, 1, i + 1) for i in range(panels)]
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def line_plot(rows: list[dict], title: str, panels: list[list[str]], log: bool, notes: list[str]) -> bytes | None:
+    present = [[k for k in keys if any(isinstance(r.get(k), (int, float)) for r in rows)] for keys in panels]
+    missing = [k for keys, have in zip(panels, present) for k in keys if k not in have]
+    present = [keys for keys in present if keys]
+    if not present:
+        notes.append(f"{title}: skipped, metrics.jsonl has no {' / '.join(missing)}")
+        return None
+    if missing:
+        notes.append(f"{title}: {', '.join(missing)} absent from metrics.jsonl")
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = _figure(len(present))
+    for ax, keys in zip(axes, present):
+        positive = False
+        for key in keys:
+            points = [(r["step"], float(r[key])) for r in rows if isinstance(r.get(key), (int, float))]
+            steps, values = [s for s, _ in points], [v for _, v in points]
+            bad = [s for s, v in points if not math.isfinite(v)]
+            if bad:  # NaN/Inf would vanish from the line: mark the steps so nobody misses them
+                notes.append(f"{key} is NaN/Inf at step(s) {', '.join(map(str, bad[:10]))} (red lines)")
+                for i, s in enumerate(bad):
+                    ax.axvline(s, color="red", linestyle=":", linewidth=1, label=f"{key} NaN/Inf" if i == 0 else None)
+            if log and any(v == 0 for v in values):  # log scale cannot show exact zeros
+                notes.append(f"{key} is exactly 0 at {sum(v == 0 for v in values)} step(s), not drawn on the "
+                             f"log scale (0 means trainer and engine agree bitwise)")
+            shown = [v if math.isfinite(v) and (v > 0 or not log) else math.nan for v in values]
+            positive = positive or any(v > 0 for v in shown)
+            ax.plot(steps, shown, marker="o" if len(steps) <= 50 else None, markersize=3, label=key)
+        if log and positive:
+            ax.set_yscale("log")
+        # Every plot spans the whole run, so steps line up across plots even where a key has gaps.
+        first, last = rows[0]["step"], rows[-1]["step"]
+        margin = max((last - first) * 0.03, 0.5)
+        ax.set_xlim(first - margin, last + margin)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    return _png(fig)
+
+
+def find_dumps(run_dir: Path, config: dict, pattern: str | None) -> list[Path]:
+    """Dump files from --dumps or config.json's template; relative paths may be relative to RUN_DIR."""
+    pattern = pattern or config.get("save_debug_rollout_data")
+    if not pattern:
+        return []
+    pattern = pattern.replace("{rollout_id}", "*")
+    paths = glob.glob(pattern) or ([] if os.path.isabs(pattern) else glob.glob(str(run_dir / pattern)))
+    # Natural order: data_2 before data_10.
+    return sorted((Path(p) for p in paths), key=lambda p: [int(t) if t.isdigit() else t
+                                                          for t in re.split(r"(\d+)", p.name)])
+
+
+def weights_for(dump: dict, run_dir: Path, config: dict) -> Path | None:
+    """The weights a dump was sampled with: rollout K comes from the policy after step K."""
+    meta, rid = dump.get("metadata") or {}, dump.get("rollout_id")
+    if rid == 0 and not meta.get("load") and meta.get("hf_checkpoint"):
+        candidate = Path(meta["hf_checkpoint"])
+    elif isinstance(rid, int):
+        candidate = Path(config.get("save") or run_dir / "checkpoints") / f"step_{rid}"
+    else:
+        return None
+    return candidate if (candidate / "config.json").is_file() else None
+
+
+def logprob_scatter(run_dir: Path, config: dict, args, notes: list[str]) -> tuple[bytes | None, str]:
+    """The PNG (None when skipped) and a caption saying where each side's log-probs come from."""
+    title = "Trainer vs engine per-token log-probs"
+    paths = find_dumps(run_dir, config, args.dumps)
+    if not paths:
+        where = f"--dumps {args.dumps}" if args.dumps else "config.json's save_debug_rollout_data"
+        notes.append(f"{title}: skipped, no rollout dumps found via {where} (capture with --save-debug-rollout-data)")
+        return None, ""
+    from miles.debug.rollout_dump import read_dump, samples_from_dump
+
+    weights, chosen, engine_only = Path(args.model) if args.model else None, [], []
+    for path in paths:
+        try:
+            dump = read_dump(path)
+        except UsageError as err:  # one corrupt dump should not cost the whole report
+            notes.append(f"{title}: {err}")
+            continue
+        n = int((dump.get("metadata") or {}).get("n_samples_per_prompt") or 1)
+        samples = [s for s in samples_from_dump(dump, path, n) if len(s.rollout_log_probs) == s.response_length]
+        engine_only += samples
+        w = weights or weights_for(dump, run_dir, config)
+        if w is not None and samples:  # one dump, one model: weights from other steps would blur the scatter
+            weights, meta = w, dump.get("metadata") or {}
+            chosen = [(path, s) for s in samples[:MAX_SCORED_SAMPLES]]
+            break
+    if not engine_only:
+        notes.append(f"{title}: skipped, the dumps carry no engine log-probs (rollout_log_probs)")
+        return None, ""
+    if not chosen:  # nothing to score with: show the engine side alone, and say why
+        notes.append(f"{title}: no weights found for any dump (base model moved, or no step_K checkpoint); showing "
+                     f"the engine's log-probs only; pass --model DIR to score them")
+        fig, (ax,) = _figure(1)
+        ax.hist([lp for s in engine_only for lp, m in zip(s.rollout_log_probs, s.loss_mask) if m], bins=50)
+        ax.set_xlabel("engine log-prob per token")
+        ax.set_ylabel("tokens")
+        fig.suptitle("Engine per-token log-probs (trainer side not available)")
+        return _png(fig), "Engine log-probs only: no weights to compute the trainer's with"
+    engine, trainer = score(weights, [s for _, s in chosen], meta, config)
+    fig, (ax,) = _figure(1)
+    fig.set_size_inches(7.0, 5.0)
+    ax.scatter(engine, trainer, s=6, alpha=0.5)
+    lo, hi = min(engine + trainer), max(engine + trainer)
+    ax.plot([lo, hi], [lo, hi], color="black", linestyle="--", linewidth=1, label="y = x")
+    diffs = [abs(a - b) for a, b in zip(engine, trainer)]
+    ax.set_xlabel("engine (rollout) log-prob")
+    ax.set_ylabel("trainer log-prob")
+    ax.set_aspect("equal", adjustable="datalim")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(f"{title}\n{len(engine)} tokens of {chosen[0][0].name}; |diff| max {max(diffs):.2e}, "
+                 f"mean {sum(diffs) / len(diffs):.2e}", fontsize=10)
+    return _png(fig), f"trainer log-probs recomputed with {weights}; engine log-probs from the dumps"
+
+
+def score(weights: Path, samples, meta: dict, config: dict) -> tuple[list[float], list[float]]:
+    """Engine and trainer log-probs of every trained response token, computed as the trainer does."""
+    import contextlib
+
+    import torch
+
+    from miles.train.batch import TrainBatch, response_log_probs
+    from miles.utils.models import load_causal_lm, load_tokenizer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_causal_lm(weights, device=device, attention_backend=config.get("attention_backend") or "sdpa").eval()
+    vocab = model.get_input_embeddings().weight.shape[0]
+    if max(max(s.tokens) for s in samples) >= vocab:
+        raise UsageError(f"--model {weights}: the dumps hold token ids outside its vocabulary ({vocab}); "
+                         f"pass the model the run was trained from")
+    pad = load_tokenizer(weights).pad_token_id or 0
+    temperature = float(meta.get("temperature") or config.get("rollout_temperature") or 1.0)
+    bf16 = (meta.get("precision") or config.get("precision")) == "bf16"  # the trainer's autocast
+    engine, trainer = [], []
+    for start in range(0, len(samples), 8):
+        batch = TrainBatch.from_samples(samples[start:start + 8], pad, device)
+        amp = torch.autocast(device, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        with torch.no_grad(), amp:
+            logp, _ = response_log_probs(model, batch, temperature)
+        keep = batch.mask.bool()
+        engine += batch.rollout_log_probs[keep].tolist()
+        trainer += logp.float()[keep].tolist()
+    return engine, trainer
+
+
+def render_html(run_dir: Path, rows: list[dict], config: dict, figures, notes: list[str]) -> str:
+    e = html.escape
+    imgs = "\n".join(f'<figure><img src="{e(src)}" alt="{e(alt)}"><figcaption>{e(caption)}</figcaption></figure>'
+                     for src, alt, caption in figures)
+    note_items = "".join(f"<li>{e(n)}</li>" for n in notes) or "<li>every plot had its data</li>"
+
+    def table(d: dict) -> str:
+        return "<table>" + "".join(f"<tr><th>{e(str(k))}</th><td>{e(_fmt(v))}</td></tr>" for k, v in d.items()
+                                   if k != "command_line") + "</table>"
+
+    command = f"<pre>{e(config['command_line'])}</pre>" if config.get("command_line") else ""
+    # The script only records, for headless checks, that every plot decoded; the page needs no JS.
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>miles report: {e(run_dir.name)}</title>
+<style>
+body {{ font-family: sans-serif; margin: 1.5em; color: #222; }}
+.plots {{ display: grid; grid-template-columns: repeat(auto-fit, minmax(520px, 1fr)); gap: 1em; }}
+figure {{ margin: 0; }} img {{ max-width: 100%; border: 1px solid #ddd; }}
+figcaption {{ font-size: 0.85em; color: #555; }}
+table {{ border-collapse: collapse; font-size: 0.8em; margin-bottom: 1em; }}
+th, td {{ border: 1px solid #ddd; padding: 2px 6px; text-align: left; }} th {{ background: #f4f4f4; }}
+.tables {{ display: flex; gap: 2em; flex-wrap: wrap; align-items: flex-start; }}
+pre {{ white-space: pre-wrap; background: #f4f4f4; padding: 0.5em; font-size: 0.8em; }}
+</style></head>
+<body>
+<h1>miles report: {e(run_dir.name)}</h1>
+<p>{e(str(run_dir.resolve()))} &middot; {len(rows)} steps ({rows[0]['step']}&ndash;{rows[-1]['step']}) &middot;
+generated {datetime.now().strftime('%Y-%m-%d %H:%M:%S')}</p>
+{command}
+<h2>Notes</h2><ul>{note_items}</ul>
+<h2>Plots</h2><div class="plots">
+{imgs}
+</div>
+<div class="tables">
+<div><h2>Last metrics row (step {rows[-1]['step']})</h2>{table(rows[-1])}</div>
+<div><h2>Config</h2>{table(config) if config else '<p>no config.json</p>'}</div>
+</div>
+<script>window.addEventListener("load", function () {{
+  var ok = Array.prototype.filter.call(document.images, function (i) {{ return i.naturalWidth > 0; }}).length;
+  document.body.setAttribute("data-images-loaded", ok + "/" + document.images.length);
+}});</script>
+</body></html>
+"""
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return json.dumps(v) if isinstance(v, (list, dict)) else str(v)
