@@ -17,8 +17,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from miles.cli import train
-    from miles.debug import chat_template, check_weights, diff_runs, inspect_rollout
-    from miles.debug import report
+    from miles.debug import chat_template, check_weights, diff_runs, inspect_rollout, selftest
+    from miles.debug import doctor, report
 
     parser = _Parser(prog="miles", description="RL post-training of LLMs (GRPO family) with the debugging "
                                               "workflow built in.")
@@ -29,7 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     check_weights.register(commands)
     chat_template.register(commands)
     diff_runs.register(commands)
+    selftest.register(commands)
     report.register(commands)
+    doctor.register(commands)
     return parser
 
 

@@ -52,7 +52,7 @@ def out_of_memory(c: Corpus) -> list[Finding]:
             rows = [m for m in c.metrics if m.name.endswith("metrics.jsonl")]
             steps = sorted({p.step for m in rows for s in m.series.values() for p in s})
         colocate = c.hints(r"colocate|offload[_-]train|release_memory_occupation|resume_memory_occupation")
-        evidence = [line_ev(log, i)] + [Evidence("setup", colocate[0])] * bool(colocate)
+        evidence = [line_ev(log, i)] + ([Evidence("setup", colocate[0])] if colocate else [])
         if colocate and len(steps) == 1:
             out.append(Finding("oom_colocate_step2", "OOM at step 2 in colocate mode (step 1 completed)", 0.9, evidence,
                                "the trainer's offload -> reload cycle collides with the SGLang engine on the same "

@@ -210,14 +210,26 @@ def kl_at_step_one(c: Corpus) -> list[Finding]:
     return out
 
 
-_INSTRUCT = re.compile(r"instruct|-chat\b|chat-|[-_]it\b|-sft\b", re.IGNORECASE)
-_MODEL_KEYS = r"hf[_-]checkpoint|model[_.]path|model_name_or_path|pretrain\b|--model\b"
+_INSTRUCT = re.compile(r"instruct|[-_]chat\b|[-_]it$|[-_]sft\b", re.IGNORECASE)
+_MODEL = re.compile(r"(?:hf[_-]checkpoint|model[_.]path|model_name_or_path|pretrain|--model)['\"]?\s*[=: ]\s*"
+                    r"['\"]?([^\s'\",]+)")
+
+
+def instruct_models(c: Corpus) -> list[str]:
+    """Model paths named in configs / launch lines that look like instruct (chat) models."""
+    found = []
+    for hint in c.hints(_MODEL.pattern):
+        for m in _MODEL.finditer(hint):
+            name = m.group(1).rstrip("/").split("/")[-1]
+            if _INSTRUCT.search(name):
+                found.append(hint)
+    return found
 
 
 @rule
 def instruct_logp(c: Corpus) -> list[Finding]:
     """~0.8 nats/token on an instruct model sampling its own answers: its prompts are not in its format."""
-    models = [h for h in c.hints(_MODEL_KEYS) if _INSTRUCT.search(h.split(":", 1)[-1])]
+    models = instruct_models(c)
     if not models:
         return []
     no_template = c.hints(r"apply_chat_template=(False|false|0)\b")
@@ -230,11 +242,13 @@ def instruct_logp(c: Corpus) -> list[Finding]:
         p = (pts["logp"] or pts["engine_logp"] or [None])[0]
         if p is None or not 0.6 <= -p.value <= 3.0:
             continue
+        evidence = [point_ev(p), Evidence("model", models[0])]
+        if no_template:
+            evidence.append(Evidence("config", no_template[0]))
         out.append(Finding("instruct_logp", f"log-prob {p.value:.2f}/token at step {step} on an instruct model "
-                           "(normal is ~0.1-0.4)", 0.75 if no_template else 0.6,
-                           [point_ev(p), Evidence("model", models[0])] + [Evidence("config", no_template[0])] * bool(
-                               no_template), "chat-template mismatch: the prompts are not in the format the model "
-                           "was trained on" + (" (the chat template is not applied)" if no_template else ""),
+                           "(normal is ~0.1-0.4)", 0.75 if no_template else 0.6, evidence,
+                           "chat-template mismatch: the prompts are not in the format the model was trained on"
+                           + (" (the chat template is not applied)" if no_template else ""),
                            "--apply-chat-template; `miles verify-chat-template --model DIR`; check --input-key holds "
                            "the user turn"))
     return out
@@ -296,7 +310,9 @@ def nan_gradients(c: Corpus) -> list[Finding]:
     fp8 = c.hints(r"fp8")
     culprit = ("activation overflow in FP8, or a bad chat template" if fp8 else
                "a bad chat template (garbage prompts give extreme log-probs), or activation overflow in low precision")
-    return [Finding("nan_grad", "NaN/Inf gradients", 0.9, evidence + [Evidence("fp8", fp8[0])] * bool(fp8), culprit,
+    if fp8:
+        evidence.append(Evidence("fp8", fp8[0]))
+    return [Finding("nan_grad", "NaN/Inf gradients", 0.9, evidence, culprit,
                     ("turn FP8 off (drop --fp8-format) to confirm; " if fp8 else "--precision fp32 to confirm; ")
                     + "`miles verify-chat-template --model DIR`; keep --clip-grad 1.0")]
 

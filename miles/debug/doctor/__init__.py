@@ -1,0 +1,97 @@
+"""`miles doctor PATH...`: reads run dirs and logs, names the symptom, quotes the evidence, gives the fix.
+
+    miles doctor runs/2025-06-01_120000                # a miles run dir
+    miles doctor train.log /tmp/sglang ~/.ray/session_latest/logs   # any logs: miles, Miles, slime, verl, TRL
+    miles doctor RUN --json                            # for machines
+    miles doctor RUN --bundle bug.md                   # everything a bug report needs, secrets redacted
+
+Layout: `readers` turns the paths into a Corpus (log lines, metric series, configs, rollout dumps);
+`rules`, `crashes` and `signals` hold the knowledge, one rule per symptom of the debugging guide;
+`findings` merges and ranks; `bundle` writes the bug-report file. Nothing here imports torch, except
+reading rollout dumps and the bundle's version probe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+EPILOG = """\
+exit status: 0 no finding; 1 findings were reported (so `miles doctor RUN || ...` flags a sick run);
+2 bad usage or a PATH that does not exist / holds nothing readable (one `error:` line).
+Findings are ranked by confidence: high (>= 0.75), medium (>= 0.5), low."""
+
+
+def register(commands) -> None:
+    p = commands.add_parser("doctor", help="read run dirs / log files; print findings: symptom, evidence, likely "
+                                           "culprit, fix", description=__doc__.split("\n\n")[0],
+                            epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("paths", nargs="+", metavar="PATH", help="miles run dirs, log files or log folders (Ray session "
+                                                            "dirs, SGLang logs, NCCL debug files, stdout captures)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--bundle", metavar="OUT", help="also write a bug-report file (Markdown) to OUT: launch command, "
+                                                   "config, pip freeze, versions, log head, findings, last metrics")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from miles.debug.doctor.bundle import redact, write_bundle
+    from miles.debug.doctor.readers import collect
+    from miles.debug.doctor.signals import signals
+
+    corpus = collect(args.paths)
+    findings = diagnose(corpus)
+    for f in findings:  # evidence quotes logs; logs hold tokens
+        for e in f.evidence:
+            e.text = redact(e.text)
+    sigs = signals(corpus)
+    text = render(corpus, findings, sigs)
+    bundle = write_bundle(args.bundle, corpus, args.paths, text) if args.bundle else None
+    if args.json:
+        print(json.dumps({"paths": args.paths, "findings": [f.to_dict() for f in findings],
+                          "signal_phrases": [s.to_dict() for s in sigs], "read": corpus.read_list(),
+                          "skipped": [{"path": p, "why": w} for p, w in corpus.skipped],
+                          "bundle": str(bundle) if bundle else None}, indent=2))
+    else:
+        print(text, end="")
+        if bundle:
+            print(f"\nBundle written to {bundle}")
+    return 1 if findings else 0
+
+
+def diagnose(corpus) -> list:
+    """Every rule's findings, merged per symptom and ranked; an unknown error when nothing matched."""
+    from miles.debug.doctor import crashes, signals  # noqa: F401  (importing registers their rules)
+    from miles.debug.doctor.findings import merge_and_rank
+    from miles.debug.doctor.rules import RULES
+
+    findings = [f for rule in RULES for f in rule(corpus)]
+    return merge_and_rank(findings) or crashes.unrecognised_error(corpus)
+
+
+def render(corpus, findings: list, sigs: list) -> str:
+    read = corpus.read_list()
+    out = []
+    if findings:
+        out.append(f"miles doctor: {len(findings)} finding(s) from {len(read)} file(s), most likely first\n")
+        for n, f in enumerate(findings, 1):
+            out.append(f"{n}. {f.symptom}  [confidence {f.level}, {f.confidence:.2f}]")
+            for k, e in enumerate(f.evidence):
+                out.append(f"   {'evidence:' if k == 0 else '         '} {e.where}: {e.text}")
+            out.append(f"   likely culprit: {f.culprit}")
+            out.append(f"   fix: {f.fix}\n")
+    else:
+        out.append("miles doctor: no known symptom found in what was read.\n")
+    found = [f"`{s.phrase}` ({s.count}x)" for s in sigs if s.count]
+    out.append("Signal phrases: found " + (", ".join(found) if found else "none"))
+    for s in sigs:
+        if not s.count:
+            note = "" if s.expected else " [not expected here]" if s.phrase != "WorkerCrashed" else ""
+            out.append(f"  missing `{s.phrase}`: {s.missing_means}{note}")
+    shown = read if not findings else read[:8]
+    out.append(f"\nRead {len(read)} file(s):" + "".join(f"\n  {r}" for r in shown)
+               + (f"\n  ... and {len(read) - len(shown)} more" if len(read) > len(shown) else ""))
+    if corpus.skipped:
+        out.append(f"Skipped {len(corpus.skipped)}: " + "; ".join(f"{p} ({w})" for p, w in corpus.skipped[:5])
+                   + (" ..." if len(corpus.skipped) > 5 else ""))
+    return "\n".join(out) + "\n"

@@ -1,0 +1,86 @@
+"""Signal phrases: the lines the debugging guide says to grep for, found or missing, and what that means.
+
+A missing phrase is only news where the run should have printed it: `weight_sync` in a miles run with
+both a trainer and an engine, `Continuous async rollout worker started` in an async run. Those two
+become findings; the rest are reported in the summary line.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from miles.debug.doctor.findings import Evidence, Finding
+from miles.debug.doctor.readers import Corpus
+from miles.debug.doctor.rules import rule
+
+_ASYNC = r"\basync\b|train_async|fully_async|async[_-]rollout|rollout[_-]async"
+_DEBUG_ONE_SIDE = r"debug[_-]rollout[_-]only=(True|true)|debug[_-]train[_-]only=(True|true)|--debug-rollout-only|" \
+                  r"--debug-train-only|load[_-]debug[_-]rollout[_-]data=[^N\s]"
+
+
+@dataclass
+class Signal:
+    phrase: str
+    pattern: str
+    found_means: str
+    missing_means: str
+    expected: bool  # in the runs that were read
+    count: int = 0
+
+    def to_dict(self) -> dict:
+        return {"phrase": self.phrase, "count": self.count, "expected": self.expected,
+                "means": self.found_means if self.count else self.missing_means}
+
+
+def signals(c: Corpus) -> list[Signal]:
+    miles = [log for log in c.logs if log.kind == "miles-train"]
+    trained = any(re.search(r"\bstep \d+/\d+ \|", line) for log in miles for line in log.lines)
+    one_side = bool(c.hints(_DEBUG_ONE_SIDE))
+    megatron = bool(c.hints(r"megatron"))
+    out = [
+        Signal("Loaded checkpoint from", r"(?i)loaded checkpoint from", "weights were loaded",
+               "parameters did not load (or the log starts after loading): check --load / --ref-load / "
+               "--hf-checkpoint", bool(miles) or megatron),
+        Signal("weight_sync", r"weight_sync", "trainer -> engine weight transfers happened",
+               "no trainer -> engine weight transfer was logged: the engine may still sample from the initial "
+               "weights (none is expected with --debug-rollout-only / --debug-train-only)", trained and not one_side),
+        Signal("Continuous async rollout worker started", r"Continuous async rollout worker started",
+               "the async rollout worker is alive",
+               "the async rollout worker never started (only expected in an async run)", bool(c.hints(_ASYNC))),
+        Signal("WorkerCrashed", r"WorkerCrashed|RaySystemError", "a worker process died (see its finding)",
+               "no worker died", False),
+        Signal("forward_logp_max_diff", r"forward_logp_max_diff",
+               "train/inference log-prob alignment is measured each step",
+               "train/inference log-prob alignment was not measured (the samples carry no engine log-probs, or "
+               "no trainer ran)", trained and not one_side),
+        Signal("Alignment check", r"Alignment check", "the step-1 alignment report was printed",
+               "no step-1 alignment report: the run stopped before step 1 ended, or --alignment-check off",
+               trained and not c.hints(r"alignment[_-]check[= ]+off")),
+    ]
+    for s in out:
+        s.count = len(c.grep(s.pattern))
+        if s.phrase == "forward_logp_max_diff":  # metrics.jsonl carries it too
+            s.count += sum(len(m.series.get("logp_diff", [])) for m in c.metrics if m.name.endswith(".jsonl"))
+    return out
+
+
+@rule
+def missing_signals(c: Corpus) -> list[Finding]:
+    out = []
+    for s in signals(c):
+        if s.count or not s.expected:
+            continue
+        if s.phrase == "weight_sync":
+            log = next(log for log in c.logs if log.kind == "miles-train")
+            out.append(Finding("no_weight_sync", "no `weight_sync` line although trainer and engine both ran", 0.55,
+                               [Evidence(str(log.path), "0 lines matching `weight_sync`")],
+                               "the engine never received the trained weights: rollouts come from the initial model",
+                               "--debug-weight-sync 1 to log each transfer; --check-weight-update-equal"))
+        elif s.phrase == "Continuous async rollout worker started":
+            hint = c.hints(_ASYNC)[0]
+            out.append(Finding("async_worker_missing", "async run, but no `Continuous async rollout worker started`",
+                               0.5, [Evidence("async", hint)], "the async rollout worker never started (or its log "
+                               "went elsewhere: Ray worker logs)", "check the rollout worker's log under "
+                               "~/.ray/session_latest/logs/; RAY_DEDUP_LOGS=0"))
+    return out
