@@ -71,30 +71,16 @@ def run_training(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, train_cfg: 
             step_start = time.perf_counter()
             samples = c.source.generate(rollout_id)
             metrics = {**rollout_metrics(samples), **c.source.last_stats}
-            if run_cfg.save_debug_rollout_data:
-                dump_start = time.perf_counter()
-                path = save_rollout(run_cfg.save_debug_rollout_data, rollout_id, samples, dump_meta)
-                metrics["perf/rollout_dump_s"] = time.perf_counter() - dump_start
-                logger.info("Saved rollout %d (%d samples) to %s", rollout_id, len(samples), path)
-            if run_cfg.debug_rollout_print_every and rollout_id % run_cfg.debug_rollout_print_every == 0:
-                log_rollout_samples(rollout_id, samples)
-
+            capture_rollout(run_cfg, rollout_id, samples, metrics, dump_meta)
             if c.trainer is not None:
-                train_start = time.perf_counter()
-                metrics.update(c.trainer.train(samples))
-                metrics["perf/train_tok_s"] = sum(len(s.tokens) for s in samples) / (time.perf_counter() - train_start)
-                if c.engine is not None:
-                    sync = sync_weights(c.trainer.model, c.engine, step, verify=run_cfg.check_weight_update_equal,
-                                        debug_level=run_cfg.debug_weight_sync)
-                    metrics["perf/weight_sync_s"] = sync.seconds
-                    if run_cfg.alignment_check == "error" and (sync.mismatched or sync.buffer_problems):
-                        raise CheckFailed(f"weight sync check failed at step {step} (see `weight_sync` lines)")
+                metrics.update(train_and_sync(c, run_cfg, samples, step))
                 if step == run_cfg.num_rollout or (run_cfg.save_interval and step % run_cfg.save_interval == 0):
                     state = {**c.trainer.state_dict(), "config": config}
                     if c.dataset is not None:
                         state["data"] = c.dataset.state_dict()
                     save_checkpoint(save_root, step, c.trainer.model, c.tokenizer, state)
             metrics["perf/step_time_s"] = time.perf_counter() - step_start
+
             if hashes_out is not None:
                 hashes_out.write(step, {**rollout_hashes(samples), **(c.trainer.step_hashes if c.trainer else {})})
             metrics_out.write(step, metrics)
@@ -106,6 +92,31 @@ def run_training(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, train_cfg: 
     finally:
         metrics_out.close()
     logger.info("Done: %d steps; metrics in %s", run_cfg.num_rollout - c.start_step, output_dir / "metrics.jsonl")
+
+
+def capture_rollout(run_cfg: RunConfig, rollout_id: int, samples: list[Sample], metrics: dict, meta: dict) -> None:
+    """--save-debug-rollout-data and --debug-rollout-print-every."""
+    if run_cfg.save_debug_rollout_data:
+        start = time.perf_counter()
+        path = save_rollout(run_cfg.save_debug_rollout_data, rollout_id, samples, meta)
+        metrics["perf/rollout_dump_s"] = time.perf_counter() - start
+        logger.info("Saved rollout %d (%d samples) to %s", rollout_id, len(samples), path)
+    if run_cfg.debug_rollout_print_every and rollout_id % run_cfg.debug_rollout_print_every == 0:
+        log_rollout_samples(rollout_id, samples)
+
+
+def train_and_sync(c: Components, run_cfg: RunConfig, samples: list[Sample], step: int) -> dict[str, float]:
+    """One rollout's optimizer steps, then the weights to the engine (if this run has one)."""
+    start = time.perf_counter()
+    metrics = c.trainer.train(samples)
+    metrics["perf/train_tok_s"] = sum(len(s.tokens) for s in samples) / (time.perf_counter() - start)
+    if c.engine is not None:
+        sync = sync_weights(c.trainer.model, c.engine, step, verify=run_cfg.check_weight_update_equal,
+                            debug_level=run_cfg.debug_weight_sync)
+        metrics["perf/weight_sync_s"] = sync.seconds
+        if run_cfg.alignment_check == "error" and (sync.mismatched or sync.buffer_problems):
+            raise CheckFailed(f"weight sync check failed at step {step} (see `weight_sync` lines)")
+    return metrics
 
 
 def build_components(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, train_cfg: TrainConfig, run_cfg: RunConfig,

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
 
 from miles.testing.tiny import CHATML, build_model_dir, build_tokenizer  # noqa: F401  (re-exported for tests)
-from miles.testing.tiny import train_args, write_prompts, write_reward_module
+from miles.testing.tiny import REWARD, train_args, write_prompts
 
 
 @pytest.fixture(scope="session")
@@ -28,20 +26,16 @@ def prompt_file(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def reward_module(tmp_path_factory) -> str:
+def reward_module() -> str:
     """A custom reward (`--custom-rm-path`) whose values vary across random responses."""
-    d = tmp_path_factory.mktemp("rm")
-    rm_path = write_reward_module(d)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(d), os.environ.get("PYTHONPATH")]))
-    sys.path.insert(0, str(d))
-    return rm_path
+    return REWARD
 
 
 def tiny_train_args(tiny_model, prompt_file, reward_module, output_dir) -> list[str]:
-    return train_args(tiny_model, prompt_file, reward_module, output_dir)
+    return train_args(tiny_model, prompt_file, output_dir, reward_module)
 
 
 @pytest.fixture
 def tiny_args(tiny_model, prompt_file, reward_module, tmp_path):
     """Flags for a fast 2-step run of the tiny model; tests append or override."""
-    return train_args(tiny_model, prompt_file, reward_module, tmp_path / "run")
+    return train_args(tiny_model, prompt_file, tmp_path / "run", reward_module)

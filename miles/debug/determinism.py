@@ -36,7 +36,8 @@ def enable_deterministic_mode(seed: int, device: str, attention_backend: str) ->
         # Flash and memory-efficient SDPA backwards accumulate with atomics; the math kernel does not.
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
-        settings.append("SDPA math kernel (flash and memory-efficient SDPA off)")
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        settings.append("SDPA math kernel (flash, memory-efficient and cuDNN SDPA off)")
     logger.info("--deterministic-mode: %s", "; ".join(settings))
     caveats = []
     if attention_backend == "flash":

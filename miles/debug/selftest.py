@@ -37,14 +37,12 @@ def register(commands) -> None:
 
 def run_recipe(workdir: Path) -> dict:
     """Runs the recipe in a subprocess (one thread: CPU reductions depend on the thread count)."""
-    from miles.testing.tiny import build_model_dir, train_args, write_prompts, write_reward_module
+    from miles.testing.tiny import build_model_dir, train_args, write_prompts
 
     model = build_model_dir(workdir / "model", "llama", seed=0)
-    argv = train_args(model, write_prompts(workdir / "prompts.jsonl"), write_reward_module(workdir),
-                      workdir / "run") + ["--num-rollout", "3", "--deterministic-mode", "--debug-determinism",
-                                          "--alignment-check", "off"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(workdir), os.environ.get("PYTHONPATH")]))}
+    argv = train_args(model, write_prompts(workdir / "prompts.jsonl"), workdir / "run") + [
+        "--num-rollout", "3", "--deterministic-mode", "--debug-determinism", "--alignment-check", "off"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-m", "miles", *argv], capture_output=True, text=True, env=env)
     if result.returncode != 0:
         raise SystemExit(f"error: the selftest recipe itself failed (exit {result.returncode}):\n{result.stderr[-2000:]}")

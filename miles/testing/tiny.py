@@ -14,13 +14,7 @@ CHATML = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-# A dense reward whose values vary across random responses, so a random tiny model still learns.
-REWARD_MODULE = '''
-def digit_share(sample):
-    """Share of digits in the response."""
-    text = sample.response
-    return sum(c.isdigit() for c in text) / max(len(text), 1)
-'''
+REWARD = "miles.testing.rewards:digit_share"  # a dense reward: a random tiny model still learns
 
 
 def build_tokenizer():
@@ -68,13 +62,7 @@ def write_prompts(path: Path) -> Path:
     return path
 
 
-def write_reward_module(directory: Path) -> str:
-    """Writes the reward module into `directory` (which must be importable); returns its rm path."""
-    (directory / "tiny_rewards.py").write_text(REWARD_MODULE)
-    return "tiny_rewards:digit_share"
-
-
-def train_args(model_dir: Path, prompts: Path, rm_path: str, output_dir: Path) -> list[str]:
+def train_args(model_dir: Path, prompts: Path, output_dir: Path, rm_path: str = REWARD) -> list[str]:
     """Flags of a fast 2-step tiny-model run."""
     return ["train", "--hf-checkpoint", str(model_dir), "--prompt-data", str(prompts),
             "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",

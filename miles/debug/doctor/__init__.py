@@ -85,9 +85,11 @@ def render(corpus, findings: list, sigs: list) -> str:
     found = [f"`{s.phrase}` ({s.count}x)" for s in sigs if s.count]
     out.append("Signal phrases: found " + (", ".join(found) if found else "none"))
     for s in sigs:
-        if not s.count:
-            note = "" if s.expected else " [not expected here]" if s.phrase != "WorkerCrashed" else ""
-            out.append(f"  missing `{s.phrase}`: {s.missing_means}{note}")
+        if not s.count and s.expected:
+            out.append(f"  missing `{s.phrase}` (expected here): {s.missing_means}")
+    absent = [f"`{s.phrase}` ({s.absent_note})" for s in sigs if not s.count and not s.expected]
+    if absent:
+        out.append("  absent, as expected: " + ", ".join(absent))
     shown = read if not findings else read[:8]
     out.append(f"\nRead {len(read)} file(s):" + "".join(f"\n  {r}" for r in shown)
                + (f"\n  ... and {len(read) - len(shown)} more" if len(read) > len(shown) else ""))

@@ -76,13 +76,14 @@ def out_of_memory(c: Corpus) -> list[Finding]:
 
 @rule
 def inductor_cache(c: Corpus) -> list[Finding]:
-    for log, i in c.grep(r"JSONDecodeError"):
+    for log, i in c.grep(r"JSONDecodeError:"):  # the exception line, not the `raise` inside json
         j = near(log, i, r"_inductor|torchinductor", before=80)
         if j is not None:
             return [Finding("inductor_cache", "`JSONDecodeError` from torch inductor", 0.9,
                             [line_ev(log, i), line_ev(log, j)], "a corrupt inductor cache (a half-written entry from "
                             "a killed or concurrent process)",
-                            "TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 (or delete the cache: rm -rf /tmp/torchinductor_$USER)")]
+                            "TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 (or delete the cache: "
+                            "rm -rf /tmp/torchinductor_$USER)")]
     return []
 
 
@@ -113,7 +114,8 @@ def nccl_timeout(c: Corpus) -> list[Finding]:
 
 # -- Ray: which worker died, and the first error before it ------------------------------------------
 
-_CRASH = r"WorkerCrashed|RaySystemError|RayActorError|ActorDiedError|The actor died unexpectedly|A worker died or was killed"
+_CRASH = (r"WorkerCrashed|RaySystemError|RayActorError|ActorDiedError|The actor died unexpectedly|"
+          r"A worker died or was killed")
 _CONSEQUENCES = {"RaySystemError", "RayActorError", "ActorDiedError", "WorkerCrashedError", "RayTaskError",
                  "ActorUnavailableError"}
 ERROR_LINE = re.compile(r"^\s*(?:\([^)]*\)\s*)?(?:\[[^\]]*\]\s*)*(?:[\w.]+\.)?(?P<exc>[A-Z]\w*(?:Error|Exception))"
@@ -141,9 +143,10 @@ def error_lines(c: Corpus) -> list[tuple[LogFile, int]]:
 
 def first_error(c: Corpus, crash: tuple[LogFile, int], pids: list[str]) -> tuple[LogFile, int] | None:
     errors = error_lines(c)
-    own = [(log, i) for log, i in errors if any(re.search(rf"\b{p}\b", log.path.name) for p in pids)]
-    if own:  # the dead worker's own log (Ray names it worker-<id>-<job>-<pid>.err)
-        return own[0]
+    for pid in pids:  # the dead worker's own log (Ray names it worker-<id>-<job>-<pid>.err)
+        own = [(log, i) for log, i in errors if re.search(rf"-{pid}\.(?:err|out|log)$", log.path.name)]
+        if own:
+            return own[0]
     per_file: dict = {}
     for log, i in errors:
         per_file.setdefault(log.path, (log, i))
@@ -162,7 +165,9 @@ def worker_crashed(c: Corpus) -> list[Finding]:
     if not hits:
         return []
     log, k = hits[0]
-    window = " ".join(log.lines[k : k + 30])
+    # Ray's report under the crash line, up to the next log record (its own timestamp): another worker's story.
+    end = next((j for j in range(k + 1, min(len(log.lines), k + 30)) if TIMESTAMP.match(log.lines[j])), k + 30)
+    window = " ".join(log.lines[k:end])
     pids = list(dict.fromkeys(re.findall(r"\bpid[=: ]+(\d+)", window)))
     who = [f"pid {p}" for p in pids[:2]]
     who += [f"rank {r}" for r in dict.fromkeys(re.findall(r"\b[Rr]ank[=: ]*(\d+)", window))][:2]

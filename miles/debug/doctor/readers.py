@@ -53,6 +53,7 @@ _MILES_STEP = re.compile(r"\bstep (\d+)/\d+ \| (.*)")  # miles' own summary line
 _STEP = re.compile(r"(?:^|[\s\[{,'\"(])(?:step|global_step|rollout|rollout_id|iteration)['\"]?\s*[:=]?\s*(\d+)\b")
 _METRIC_HINT = re.compile("|".join(re.escape(a) for a in sorted(CANONICAL, key=len, reverse=True)))
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+_SGLANG_LOG = re.compile(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?: TP\d+)?\] ")  # SGLang's own format
 _MILES_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (?:INFO|WARNING|ERROR) miles \d")
 
 
@@ -126,13 +127,16 @@ class Corpus:
     def hints(self, pattern: str) -> list[str]:
         """Config entries (`key=value`) and launch/argument lines (the first 2000 of each log) that match:
         how rules learn a run's setup (MoE, colocate, async, the model name) whatever wrote it."""
-        rx = re.compile(pattern, re.IGNORECASE)
-        found = [f"{path}: {k}={v}" for path, cfg in self.configs for k, v in _flatten(cfg)
-                 if rx.search(f"{k}={v}")]
-        for log in self.logs:
-            found += [f"{log.where(i)}: {line.strip()[:200]}" for i, line in enumerate(log.lines[:2000])
-                      if rx.search(line)]
-        return found
+        key = ("hints", pattern)
+        if key not in self._grep_cache:
+            rx = re.compile(pattern, re.IGNORECASE)
+            found = [f"{path}: {k}={v}" for path, cfg in self.configs for k, v in _flatten(cfg)
+                     if rx.search(f"{k}={v}")]
+            for log in self.logs:
+                found += [f"{log.where(i)}: {line.strip()[:200]}" for i, line in enumerate(log.lines[:2000])
+                          if rx.search(line)]
+            self._grep_cache[key] = found
+        return self._grep_cache[key]
 
     def read_list(self) -> list[str]:
         out = [f"{log.path} ({log.kind}, {len(log.lines)} lines{', head and tail only' if log.numbers else ''})"
@@ -172,7 +176,7 @@ def collect(paths: list[str]) -> Corpus:
 
 
 def _walk(root: Path, corpus: Corpus) -> list[Path]:
-    found = []
+    found, other = [], {}
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
         for name in sorted(filenames):
@@ -181,6 +185,10 @@ def _walk(root: Path, corpus: Corpus) -> list[Path]:
                 continue
             if path.suffix == ".pt" or path.suffix.lower() in TEXT_SUFFIXES or re.search(r"\.log\.\d+$", name):
                 found.append(path)
+            else:  # weights, images, wandb binaries: counted, so "what was read" is honest
+                other[path.suffix] = other.get(path.suffix, 0) + 1
+    if other:
+        corpus.skipped.append((str(root), f"{sum(other.values())} file(s) of other types ({', '.join(sorted(other))})"))
     return found
 
 
@@ -240,7 +248,7 @@ def _kind(path: Path, lines: list[str]) -> str:
         return "miles-train"
     if re.match(r"(python-core-)?worker-", path.name) or "raylet" in path.name:
         return "ray-worker"
-    if "sglang" in str(path).lower() or any("sglang" in line for line in lines[:50]):
+    if "sglang" in str(path).lower() or any(_SGLANG_LOG.match(line) for line in lines[:20]):
         return "sglang"
     if "nccl" in path.name.lower() or any(" NCCL INFO " in line for line in lines[:50]):
         return "nccl"

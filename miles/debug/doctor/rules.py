@@ -32,8 +32,10 @@ def point_ev(p: Point) -> Evidence:
     return Evidence(p.where, p.text)
 
 
-LOADED = r"(?i)loaded checkpoint from"
-MILES_STEP = re.compile(r"\bstep (\d+)/\d+ \||^\s*(?:\(.*?\)\s*)?.*?\bstep (\d+): \{|\bstep:(\d+) - |\biteration\s+(\d+)/")
+LOADED = r"(?i)loaded checkpoint from (?!`)\S"  # not a line that only quotes the phrase
+# Per-step summary lines: miles `step 3/10 |`, slime/Miles `step 3: {`, verl `step:3 -`, Megatron `iteration 3/`.
+MILES_STEP = re.compile(r"\bstep (\d+)/\d+ \||^\s*(?:\(.*?\)\s*)?.*?\bstep (\d+): \{|\bstep:(\d+) - |"
+                        r"\biteration\s+(\d+)/")
 TIMESTAMP = re.compile(r"(\d{4}-\d\d-\d\d)[ T](\d\d:\d\d:\d\d(?:[.,]\d+)?)")
 
 
@@ -59,6 +61,12 @@ def first_step(source: MetricSource, *names: str) -> tuple[int, dict[str, list[P
                   for n in names}
 
 
+def covers_megatron_build(c: Corpus) -> bool:
+    """Whether the logs include Megatron building its model, where a checkpoint load would be printed
+    (a Ray crash dir, or a log cut with `tail`, often starts later)."""
+    return bool(c.grep(r"building \S+ model|using world size|> number of parameters on"))
+
+
 # -- miles' own verdicts ---------------------------------------------------------------------------
 
 _ALIGN = re.compile(r"Alignment check \| (?P<name>[^|]+?)\s*\| (?P<verdict>WARN|FAIL) \| (?P<value>.*?)"
@@ -80,6 +88,8 @@ def alignment_checks(c: Corpus) -> list[Finding]:
         fid = _ALIGN_IDS.get(name, "alignment_" + re.sub(r"\W+", "_", name))
         if name == "grad_norm" and re.match(r"-?(nan|inf)", value, re.I):
             fid = "nan_grad"
+        elif name == "grad_norm" and value == "0":  # no gradient because no reward signal
+            fid = "reward_constant"
         out.append(Finding(fid, f"Alignment check {verdict}: {name} ({value})", 0.85 if verdict == "FAIL" else 0.6,
                            [line_ev(log, i)], m["culprit"] or "see the line", m["fix"] or "see the line"))
     return out
@@ -130,13 +140,13 @@ def checkpoint_not_loaded(c: Corpus) -> list[Finding]:
         n_models = log.lines[i].split("Models in memory:", 1)[1].count("MiB")
         if n_loaded < n_models:
             out.append(Finding("no_checkpoint_loaded", f"{n_models} model(s) built but {n_loaded} `Loaded checkpoint "
-                               "from` line(s): parameters did not load", 0.85 if n_loaded == 0 else 0.6,
+                               "from` line(s): parameters did not load", 0.9 if n_loaded == 0 else 0.6,
                                [line_ev(log, i)], "a model was built without loading its weights",
                                "check --hf-checkpoint / --load / --ref-load point at real checkpoints"))
     if not loaded and not out:
         steps = c.grep(r"\bstep \d+: \{|\biteration\s+\d+/")
         megatron = c.hints(r"megatron")
-        if steps and megatron:
+        if steps and megatron and covers_megatron_build(c):
             log, i = steps[0]
             out.append(Finding("no_checkpoint_loaded", "no `loaded checkpoint from` line in a Megatron-based run "
                                "that trained", 0.5, [line_ev(log, i), Evidence("hint", megatron[0])],
@@ -187,8 +197,8 @@ def kl_at_step_one(c: Corpus) -> list[Finding]:
             for ref in pts["ref_logp"][:1]:
                 measures.append((abs(lp.value - ref.value), lp, 1.0))
                 measures.append((abs(lp.value - ref.value), ref, 1.0))
-        if not measures:  # only a training-time KL loss: after a first update it may move legitimately
-            measures = [(abs(p.value), p, 0.7) for p in pts["kl_loss"]]
+        if not measures:  # only a training-time KL loss: small values are updates within the step, not bugs
+            measures = [(abs(p.value), p, 0.7) for p in pts["kl_loss"] if abs(p.value) > 1]
         if not measures:
             continue
         value, _, weight = max(measures, key=lambda m: m[0])
@@ -303,7 +313,8 @@ def nan_gradients(c: Corpus) -> list[Finding]:
         bad = [p for p in src.series.get("grad_norm", []) if not math.isfinite(p.value)]
         evidence += [point_ev(p) for p in bad[:2]]
     for log, i in c.grep(r"(?i)found (?:nan|inf) in local grad norm|nan or inf found in input tensor|"
-                         r"loss is (?:nan|inf)\b|detected (?:nan|inf) (?:in|gradient)")[:3]:
+                         r"loss is (?:nan|inf)\b|detected (?:nan|inf) (?:in|gradient)|"
+                         r"\| grad_norm -?(?:nan|inf) \|")[:3]:
         evidence.append(line_ev(log, i))
     if not evidence:
         return []

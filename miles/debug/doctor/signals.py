@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from miles.debug.doctor.findings import Evidence, Finding
 from miles.debug.doctor.readers import Corpus
-from miles.debug.doctor.rules import rule
+from miles.debug.doctor.rules import LOADED, covers_megatron_build, rule
 
 _ASYNC = r"\basync\b|train_async|fully_async|async[_-]rollout|rollout[_-]async"
 _DEBUG_ONE_SIDE = r"debug[_-]rollout[_-]only=(True|true)|debug[_-]train[_-]only=(True|true)|--debug-rollout-only|" \
@@ -26,6 +26,7 @@ class Signal:
     found_means: str
     missing_means: str
     expected: bool  # in the runs that were read
+    absent_note: str  # why its absence is no news where it is not expected
     count: int = 0
 
     def to_dict(self) -> dict:
@@ -37,29 +38,31 @@ def signals(c: Corpus) -> list[Signal]:
     miles = [log for log in c.logs if log.kind == "miles-train"]
     trained = any(re.search(r"\bstep \d+/\d+ \|", line) for log in miles for line in log.lines)
     one_side = bool(c.hints(_DEBUG_ONE_SIDE))
-    megatron = bool(c.hints(r"megatron"))
+    megatron = bool(c.hints(r"megatron")) and covers_megatron_build(c)
     out = [
-        Signal("Loaded checkpoint from", r"(?i)loaded checkpoint from", "weights were loaded",
+        Signal("Loaded checkpoint from", LOADED, "weights were loaded",
                "parameters did not load (or the log starts after loading): check --load / --ref-load / "
-               "--hf-checkpoint", bool(miles) or megatron),
+               "--hf-checkpoint", bool(miles) or megatron, "not a miles or Megatron log"),
         Signal("weight_sync", r"weight_sync", "trainer -> engine weight transfers happened",
                "no trainer -> engine weight transfer was logged: the engine may still sample from the initial "
-               "weights (none is expected with --debug-rollout-only / --debug-train-only)", trained and not one_side),
+               "weights", trained and not one_side,
+               "no miles step ran with both a trainer and an engine"),
         Signal("Continuous async rollout worker started", r"Continuous async rollout worker started",
                "the async rollout worker is alive",
-               "the async rollout worker never started (only expected in an async run)", bool(c.hints(_ASYNC))),
+               "the async rollout worker never started", bool(c.hints(_ASYNC)), "not an async run"),
         Signal("WorkerCrashed", r"WorkerCrashed|RaySystemError", "a worker process died (see its finding)",
-               "no worker died", False),
+               "no worker died", False, "no worker died"),
         Signal("forward_logp_max_diff", r"forward_logp_max_diff",
                "train/inference log-prob alignment is measured each step",
                "train/inference log-prob alignment was not measured (the samples carry no engine log-probs, or "
-               "no trainer ran)", trained and not one_side),
+               "no trainer ran)", trained and not one_side, "no miles training step in these logs"),
         Signal("Alignment check", r"Alignment check", "the step-1 alignment report was printed",
                "no step-1 alignment report: the run stopped before step 1 ended, or --alignment-check off",
-               trained and not c.hints(r"alignment[_-]check[= ]+off")),
+               trained and not c.hints(r"alignment[_-]check[= ]+off"), "no miles training step in these logs"),
     ]
     for s in out:
-        s.count = len(c.grep(s.pattern))
+        # A line that quotes the phrase (`Loaded checkpoint from` in a fix text) is not the phrase.
+        s.count = sum(f"`{s.phrase}" not in log.lines[i] for log, i in c.grep(s.pattern))
         if s.phrase == "forward_logp_max_diff":  # metrics.jsonl carries it too
             s.count += sum(len(m.series.get("logp_diff", [])) for m in c.metrics if m.name.endswith(".jsonl"))
     return out

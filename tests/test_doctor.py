@@ -1,0 +1,354 @@
+"""`miles doctor`: every culprit of the debugging guide diagnosed from realistic logs, no false alarm on a
+clean run, `--json`, `--bundle` (content and redaction), and bad input.
+
+Fixtures under tests/fixtures/doctor/ are the text each component really prints: miles run dirs, SGLang's
+scheduler traceback, NCCL's watchdog, a Ray session's worker logs, slime/Megatron, verl and TRL stdout.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from miles.cli.main import main
+
+FIX = Path(__file__).parent / "fixtures" / "doctor"
+
+
+def doctor(capsys, *args):
+    rc = main(["doctor", *map(str, args)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def findings(capsys, *paths):
+    rc, out, _ = doctor(capsys, *paths, "--json")
+    return rc, json.loads(out)
+
+
+# (fixture, id of the first finding, words of its symptom, words of its fix)
+CASES = [
+    ("no_checkpoint", "no_checkpoint_loaded", "parameters did not load", "--hf-checkpoint / --load / --ref-load"),
+    ("megatron_random_init.log", "no_checkpoint_loaded", "random weights", "--load / --ref-load"),
+    ("kl_nondet", "kl_step1", "KL != 0 at step 1", "--attention-backend flash"),
+    ("slime_kl_config.log", "kl_step1", "KL > 1", "--ref-load at the initial policy"),
+    ("instruct_logp", "instruct_logp", "on an instruct model", "--apply-chat-template"),
+    ("verl_moe_collapse.log", "moe_collapse", "MoE training collapse", "--use-rollout-routing-replay"),
+    ("nan_grad", "nan_grad", "NaN/Inf gradients", "`miles verify-chat-template"),
+    ("megatron_fp8_nan.log", "nan_grad", "NaN/Inf gradients", "turn FP8 off"),
+    ("sglang_illegal_memory", "illegal_memory_access", "`illegal memory access` in the SGLang engine",
+     "lower --sglang-mem-fraction-static"),
+    ("oom_colocate", "oom_colocate_step2", "OOM at step 2 in colocate mode",
+     "--sglang-mem-fraction-static 0.7 (or 0.6)"),
+    ("inductor_json.log", "inductor_cache", "`JSONDecodeError` from torch inductor",
+     "TORCHINDUCTOR_FORCE_DISABLE_CACHES=1"),
+    ("ray_nccl_weight_sync", "nccl_timeout", "NCCL hang / timeout during weight sync", "NCCL_TIMEOUT=900"),
+    ("rewards_zero", "reward_constant", "their reward is 0", "--label-key"),
+    ("trl_rewards_zero.log", "reward_constant", "rewards all zero over 3 steps", "--label-key"),
+    ("ray_worker_crashed", "worker_crashed", "a Ray worker died (pid 48213", "RAY_DEDUP_LOGS=0"),
+    ("weight_sync_fail", "weight_sync_mismatch", "engine weights differ from the trainer's", "miles check-weights"),
+]
+
+
+@pytest.mark.parametrize("fixture,fid,symptom,fix", CASES, ids=[c[0] for c in CASES])
+def test_each_culprit_is_named_first(capsys, fixture, fid, symptom, fix):
+    rc, report = findings(capsys, FIX / fixture)
+    assert rc == 1
+    top = report["findings"][0]
+    assert (top["id"], symptom in top["symptom"], fix in top["fix"]) == (fid, True, True), top
+    assert top["likely_culprit"] and top["level"] in ("high", "medium")
+    # Evidence quotes the real line: `file:N` holds exactly the text shown.
+    for e in top["evidence"]:
+        path, _, line = e["where"].rpartition(":")
+        if line.isdigit() and Path(path).is_file() and not e["text"].startswith("step "):
+            assert Path(path).read_text().splitlines()[int(line) - 1].strip()[:300] == e["text"]
+
+
+def test_nccl_finding_quotes_the_watchdog_and_the_debug_knobs(capsys):
+    _, report = findings(capsys, FIX / "ray_nccl_weight_sync")
+    f = report["findings"][0]
+    texts = " ".join(e["text"] for e in f["evidence"])
+    assert "Watchdog caught collective operation timeout" in texts and "OpType=BROADCAST" in texts
+    assert "update_weights_from_distributed" in texts  # the weight-sync context
+    assert "NCCL_DEBUG=INFO" in f["fix"] and "NCCL_DEBUG_SUBSYS=COLL,P2P" in f["fix"]
+
+
+def test_worker_crash_points_at_the_dead_workers_first_error_not_its_peers(capsys):
+    _, report = findings(capsys, FIX / "ray_worker_crashed")
+    assert [f["id"] for f in report["findings"]] == ["worker_crashed"]  # no Megatron "no checkpoint" noise
+    f = report["findings"][0]
+    assert "MegatronTrainRayActor" in f["symptom"] and "ip 10.0.0.12" in f["symptom"]
+    assert "CUDA error: device-side assert triggered" in f["likely_culprit"]
+    assert "-48213.err:4" in f["likely_culprit"] and "48214" not in f["likely_culprit"]
+
+
+def test_megatron_nan_blames_fp8_when_fp8_is_on(capsys):
+    _, report = findings(capsys, FIX / "megatron_fp8_nan.log")
+    f = report["findings"][0]
+    assert f["likely_culprit"].startswith("activation overflow in FP8")
+    assert any("found NaN in local grad norm" in e["text"] for e in f["evidence"])
+
+
+def test_miles_verdict_lines_are_surfaced_with_their_culprit(capsys):
+    _, report = findings(capsys, FIX / "weight_sync_fail")
+    ids = [f["id"] for f in report["findings"]]
+    assert ids == ["weight_sync_mismatch", "train_engine_mismatch"]
+    align = report["findings"][1]
+    assert align["symptom"].startswith("Alignment check FAIL: trainer vs engine")
+    assert align["fix"] == "--check-weight-update-equal; `miles check-weights`; compare engine buffers"
+
+
+def _write_dump(path: Path, responses: list[str], tokens: list[list[int]], reward: float = 0.0, label="72"):
+    import torch
+
+    samples = [{"group_index": i // 2, "index": i, "prompt": "Natalia sold clips...", "tokens": [1, 2, 3] + t,
+                "response": r, "response_length": len(t), "label": label, "reward": reward, "loss_mask": [1] * len(t),
+                "rollout_log_probs": [-0.09] * len(t), "status": "truncated", "metadata": {}}
+               for i, (r, t) in enumerate(zip(responses, tokens))]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"format": "miles.rollout/1", "rollout_id": 0, "samples": samples,
+                "metadata": {"n_samples_per_prompt": 2}}, path)
+
+
+GARBLED = ["the the the the the \ufffd\ufffd the the the the", "\ufffd\ufffd the the the the the the the"] * 2
+LOOPING = [[7, 8, 9, 10] * 8] * 4
+
+
+def test_garbled_rollout_although_parameters_loaded(capsys, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(FIX / "garbled_loaded", run)
+    _write_dump(run / "dumps" / "data_0.pt", GARBLED, LOOPING)
+    rc, report = findings(capsys, run)
+    top = report["findings"][0]
+    assert rc == 1 and top["id"] == "garbled_rollout", top
+    assert top["symptom"] == "garbled rollout although parameters loaded"
+    assert "chat-template mismatch" in top["likely_culprit"] and "dropped buffers" in top["likely_culprit"]
+    assert "miles verify-chat-template" in top["fix"] and "--check-weight-update-equal" in top["fix"]
+    assert "U+FFFD" in top["evidence"][0]["text"]
+
+
+def test_garbled_rollout_without_a_load_line_blames_loading(capsys, tmp_path):
+    _write_dump(tmp_path / "dumps" / "data_0.pt", GARBLED, LOOPING)
+    _, report = findings(capsys, tmp_path)
+    top = report["findings"][0]
+    assert top["id"] == "garbled_rollout" and "did not load" in top["likely_culprit"]
+
+
+def test_engine_buffer_check_fail_is_a_finding(capsys, tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text((FIX / "clean_run" / "train.log").read_text().replace(
+        "2026-11-29 11:50:32 INFO step 1/3",
+        "2026-11-29 11:50:32 ERROR weight_sync buffer check FAIL at step 1: model.rotary_emb.inv_freq: missing in the "
+        "engine | likely culprit: the engine dropped or overwrote buffers while updating weights | fix: re-create the "
+        "buffers after each weight update\n2026-11-29 11:50:32 INFO step 1/3", 1))
+    _, report = findings(capsys, log)
+    top = report["findings"][0]
+    assert top["id"] == "engine_buffers_dropped" and top["fix"] == "re-create the buffers after each weight update"
+
+
+def test_missing_weight_sync_in_a_miles_run_is_a_finding(capsys, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(FIX / "clean_run", run)
+    log = run / "train.log"
+    log.write_text("".join(line for line in log.read_text().splitlines(True) if "weight_sync" not in line))
+    rc, out, _ = doctor(capsys, run)
+    assert rc == 1 and "no `weight_sync` line although trainer and engine both ran" in out
+    assert "missing `weight_sync` (expected here)" in out
+
+
+ASYNC_LOG = """\
++ ray job submit -- python3 train_async.py --hf-checkpoint /root/Qwen3-4B --ref-load /root/Qwen3-4B_torch_dist
+(MegatronTrainRayActor pid=5120)  successfully loaded checkpoint from /root/Qwen3-4B_torch_dist [ t 1/1, p 1/1 ]
+(MegatronTrainRayActor pid=5120) [2025-06-17 10:03:12] INFO  model.py:427 - step 0: {'train/grad_norm': 0.201}
+"""
+
+
+def test_async_run_without_its_worker_phrase(capsys, tmp_path):
+    log = tmp_path / "async.log"
+    log.write_text(ASYNC_LOG)
+    rc, report = findings(capsys, log)
+    assert [f["id"] for f in report["findings"]] == ["async_worker_missing"]
+    sig = {s["phrase"]: s for s in report["signal_phrases"]}
+    assert sig["Continuous async rollout worker started"]["expected"] is True
+    assert sig["Continuous async rollout worker started"]["count"] == 0
+    assert sig["Loaded checkpoint from"]["count"] == 1
+    log.write_text(ASYNC_LOG + "(RolloutRayActor pid=5188) Continuous async rollout worker started\n")
+    rc, report = findings(capsys, log)
+    assert rc == 0 and report["findings"] == []
+
+
+# -- no false alarm ------------------------------------------------------------------------------------
+
+def test_clean_run_fixture_gives_no_finding(capsys):
+    rc, out, _ = doctor(capsys, FIX / "clean_run")
+    assert rc == 0
+    assert "no known symptom found" in out
+    assert ("Signal phrases: found `Loaded checkpoint from` (3x), `weight_sync` (3x), `forward_logp_max_diff` (7x), "
+            "`Alignment check` (8x)") in out
+    assert "clean_run/train.log (miles-train, 33 lines)" in out
+
+
+def test_live_tiny_run_gives_no_finding(capsys, tiny_args, tmp_path):
+    dumps = str(tmp_path / "run" / "dumps" / "data_{rollout_id}.pt")
+    # Temperature 0.5: the random tiny model's samples then pass miles' own response-NLL check.
+    assert main(tiny_args + ["--use-kl-loss", "--kl-loss-coef", "0.1", "--save-debug-rollout-data", dumps,
+                             "--check-weight-update-equal", "--rollout-temperature", "0.5"]) == 0
+    assert "WARN |" not in (tmp_path / "run" / "train.log").read_text()
+    capsys.readouterr()
+    rc, report = findings(capsys, tmp_path / "run")
+    assert rc == 0 and report["findings"] == [], report["findings"]
+    assert sum("rollout dump" in r for r in report["read"]) == 2
+    found = {s["phrase"] for s in report["signal_phrases"] if s["count"]}
+    assert found == {"Loaded checkpoint from", "weight_sync", "forward_logp_max_diff", "Alignment check"}
+
+
+def test_nothing_matches_says_so_and_lists_what_was_read(capsys):
+    rc, out, _ = doctor(capsys, FIX / "plain_stdout.txt")
+    assert rc == 0
+    assert out.startswith("miles doctor: no known symptom found in what was read.")
+    assert "Signal phrases: found none" in out
+    assert "Read 1 file(s):\n  " in out and "plain_stdout.txt (log, 5 lines)" in out
+
+
+def test_an_unknown_error_is_still_pointed_at(capsys, tmp_path):
+    log = tmp_path / "stdout.txt"
+    log.write_text("starting\nTraceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+                   "ZeroDivisionError: division by zero\n")
+    rc, report = findings(capsys, log)
+    assert rc == 1 and report["findings"][0]["id"] == "unrecognised_error"
+    assert report["findings"][0]["evidence"][0]["where"].endswith("stdout.txt:4")
+
+
+# -- output formats and reading --------------------------------------------------------------------
+
+def test_json_output_shape(capsys):
+    rc, report = findings(capsys, FIX / "oom_colocate", FIX / "clean_run")
+    assert rc == 1
+    assert set(report) == {"paths", "findings", "signal_phrases", "read", "skipped", "bundle"}
+    f = report["findings"][0]
+    assert set(f) == {"id", "symptom", "confidence", "level", "evidence", "likely_culprit", "fix"}
+    assert 0 < f["confidence"] <= 1 and all(set(e) == {"where", "text"} for e in f["evidence"])
+    # Secrets in quoted evidence are redacted too (the launch line carries a W&B key).
+    assert "8f3a1c0d9e2b" not in json.dumps(report)
+    assert {s["phrase"] for s in report["signal_phrases"]} == {
+        "Loaded checkpoint from", "weight_sync", "Continuous async rollout worker started", "WorkerCrashed",
+        "forward_logp_max_diff", "Alignment check"}
+
+
+def test_text_output_ranks_and_explains(capsys):
+    rc, out, _ = doctor(capsys, FIX / "weight_sync_fail")
+    assert rc == 1
+    assert out.startswith("miles doctor: 2 finding(s) from 1 file(s), most likely first")
+    assert out.index("1. engine weights differ") < out.index("2. Alignment check FAIL")
+    assert "   evidence: " in out and "   likely culprit: " in out and "   fix: " in out
+
+
+def test_huge_file_is_read_head_and_tail_with_true_line_numbers(capsys, tmp_path, monkeypatch):
+    from miles.debug.doctor import readers
+
+    monkeypatch.setattr(readers, "HEAD_BYTES", 2000)
+    monkeypatch.setattr(readers, "TAIL_BYTES", 3000)
+    log = tmp_path / "stdout.log"
+    lines = [f"[2025-06-12 10:00:00] INFO  filler line {i:05d}" for i in range(5000)]
+    lines.append("RuntimeError: CUDA error: an illegal memory access was encountered")
+    log.write_text("\n".join(lines) + "\n")
+    (tmp_path / "core.log").write_bytes(b"\x7fELF\x00\x00binary")  # a binary under a text name
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 64)
+    rc, report = findings(capsys, tmp_path)
+    f = report["findings"][0]
+    assert f["id"] == "illegal_memory_access" and f["evidence"][0]["where"].endswith("stdout.log:5001")
+    assert any("head and tail only" in r for r in report["read"])
+    assert {"path": str(tmp_path / "core.log"), "why": "binary"} in report["skipped"]
+    assert {"path": str(tmp_path), "why": "1 file(s) of other types (.safetensors)"} in report["skipped"]
+
+
+def test_help_documents_exit_status(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["doctor", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "exit status: 0 no finding; 1 findings were reported" in out and "--bundle OUT" in out
+
+
+def test_bad_path_is_a_usage_error(capsys, tmp_path):
+    rc, out, err = doctor(capsys, tmp_path / "nope")
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("error: ") and "nope: no such file or directory" in err
+    (tmp_path / "empty").mkdir()
+    rc, _, err = doctor(capsys, tmp_path / "empty")
+    assert rc == 2 and err.startswith("error: ") and "nothing" not in err and "no log, metrics" in err
+
+
+def test_reading_text_logs_never_imports_torch():
+    code = ("import sys; from miles.cli.main import main; rc = main(['doctor', sys.argv[1], '--json']); "
+            "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", code, str(FIX / "ray_nccl_weight_sync")], capture_output=True,
+                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 1, done.stderr
+
+
+# -- the bug-report bundle ---------------------------------------------------------------------------
+
+SECRETS = ["wandb0123456789abcdef0123456789abcdef0123", "hf_AbCdEfGhIjKlMnOpQrStUvWxYz012345",
+           "sk-proj-Zz9Yy8Xx7Ww6Vv5Uu4Tt", "eyJhbGciOiJIUzI1NiJ9.payload.sig", "hunter2", "s3cr3t-value",
+           "ghp_1234567890abcdefghijABCDEFGHIJ"]
+
+
+def _secret_run(tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(FIX / "nan_grad", run)
+    config = json.loads((run / "config.json").read_text())
+    config["command_line"] = (f"WANDB_API_KEY={SECRETS[0]} miles train --hf-checkpoint /models/Qwen2.5-7B-Instruct "
+                              f"--hf-token {SECRETS[1]} --rollout-max-response-len 512 --label-key answer")
+    config.update(wandb_key=SECRETS[0], openai_api_key=SECRETS[2], db={"password": SECRETS[4]},
+                  custom_rm_url=f"https://bot:{SECRETS[5]}@rm.internal/score")
+    (run / "config.json").write_text(json.dumps(config, indent=2))
+    log = (run / "train.log").read_text().splitlines()
+    head = [f"2026-11-29 14:01:50 INFO reward server headers: {{'Authorization': 'Bearer {SECRETS[3]}'}}",
+            f"2026-11-29 14:01:50 INFO env: OPENAI_API_KEY={SECRETS[2]} HF_TOKEN={SECRETS[1]} password={SECRETS[4]}",
+            f"2026-11-29 14:01:50 INFO git remote: https://{SECRETS[6]}@github.com/org/repo.git"]
+    filler = [f"2026-11-29 14:01:51 INFO filler {i}" for i in range(230)]
+    (run / "train.log").write_text("\n".join(head + log[:1] + filler + log[1:]) + "\n")
+    rows = (run / "metrics.jsonl").read_text().splitlines()
+    rows += [json.dumps({**json.loads(rows[0]), "step": s}) for s in range(4, 9)]
+    (run / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    return run
+
+
+def test_bundle_holds_a_bug_report_with_secrets_redacted(capsys, tmp_path):
+    run = _secret_run(tmp_path)
+    out = tmp_path / "reports" / "bug.md"
+    rc, stdout, _ = doctor(capsys, run, "--bundle", out)
+    assert rc == 1 and f"Bundle written to {out}" in stdout
+    text = out.read_text()
+    for secret in SECRETS:
+        assert secret not in text, secret
+    assert "<redacted>" in text
+    for section in ("## Launch command", "## Resolved config", "## Versions", "## pip freeze",
+                    "## First 200 lines of the trainer log", "## Doctor findings", "## Last metrics rows"):
+        assert section in text, section
+    assert "miles train --hf-checkpoint /models/Qwen2.5-7B-Instruct --hf-token <redacted> " in text
+    assert '"label_key": "label"' in text and "--rollout-max-response-len 512 --label-key answer" in text
+    assert "torch==" in text or "torch @" in text  # pip freeze
+    assert "torch 2." in text and "nvidia-smi" in text
+    assert "filler 195" in text and "filler 196" not in text  # 3 + 1 + 196 = the first 200 lines
+    assert "NaN/Inf gradients" in text
+    last = text.split("## Last metrics rows")[1]
+    assert '"step": 8' in last and '"step": 4' in last and '"step": 3' not in last
+    assert [p.name for p in out.parent.iterdir()] == ["bug.md"]  # no temp file left behind
+
+
+def test_redact_keeps_what_is_not_a_secret():
+    from miles.debug.doctor.bundle import redact, redact_config
+
+    assert redact("--rollout-max-tokens 512 max_new_tokens=12 --label-key answer") == \
+        "--rollout-max-tokens 512 max_new_tokens=12 --label-key answer"
+    assert redact("Authorization: Bearer abc.def.ghi") == "Authorization: Bearer <redacted>"
+    assert redact("export WANDB_API_KEY=0123456789abcdef") == "export WANDB_API_KEY=<redacted>"
+    assert redact("wandb login 0123456789abcdef0123456789abcdef01234567") == "wandb login <redacted>"
+    assert redact_config({"label_key": "answer", "api_key": "k", "hf_token": None, "n": {"secret": "x"}}) == \
+        {"label_key": "answer", "api_key": "<redacted>", "hf_token": None, "n": {"secret": "<redacted>"}}
