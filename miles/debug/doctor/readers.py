@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from bisect import bisect_right
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 
 from miles.errors import UsageError
@@ -47,11 +49,11 @@ ALIASES = {
 }
 CANONICAL = {alias: name for name, aliases in ALIASES.items() for alias in aliases}
 _NUM = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+|nan|NaN|inf|Inf|Infinity)"
-_PAIR = re.compile(r"['\"]?(?P<key>[A-Za-z_][\w/.\-]*(?: norm)?)['\"]?\s*[:=]\s*(?:tensor\()?['\"]?(?P<val>" + _NUM
-                   + r")(?![\w.])")
+# A known metric name, not inside a longer one, then `:` or `=` and a number (NaN/Inf included).
+_ALIAS_PAIR = re.compile(r"(?<![\w/.\-])['\"]?(?P<key>" + "|".join(re.escape(a) for a in sorted(CANONICAL, key=len,
+                         reverse=True)) + r")['\"]?[ \t]*[:=][ \t]*(?:tensor\()?['\"]?(?P<val>" + _NUM + r")(?![\w.])")
 _MILES_STEP = re.compile(r"\bstep (\d+)/\d+ \| (.*)")  # miles' own summary line: `step 3/10 | reward 0.5 | ...`
 _STEP = re.compile(r"(?:^|[\s\[{,'\"(])(?:step|global_step|rollout|rollout_id|iteration)['\"]?\s*[:=]?\s*(\d+)\b")
-_METRIC_HINT = re.compile("|".join(re.escape(a) for a in sorted(CANONICAL, key=len, reverse=True)))
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _SGLANG_LOG = re.compile(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?: TP\d+)?\] ")  # SGLang's own format
 _MILES_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (?:INFO|WARNING|ERROR) miles \d")
@@ -59,10 +61,21 @@ _MILES_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (?:INFO|WARNING|ERROR)
 
 @dataclass
 class LogFile:
+    """One text file, kept whole (`text`, for fast regex scans in C) and as `lines` (for quoting)."""
+
     path: Path
-    lines: list[str]
+    text: str  # lines joined by "\n"
     numbers: list[int] | None = None  # 1-based line numbers when only head and tail were read
     kind: str = "log"  # miles-train | ray-worker | sglang | nccl | log
+    lines: list[str] = field(init=False)
+    starts: list[int] = field(init=False, repr=False)  # offset in `text` of each line
+
+    def __post_init__(self):
+        self.lines = self.text.split("\n")
+        self.starts = [0, *accumulate(len(line) + 1 for line in self.lines[:-1])]
+
+    def line_index(self, offset: int) -> int:
+        return bisect_right(self.starts, offset) - 1
 
     def line_no(self, i: int) -> int:
         return self.numbers[i] if self.numbers else i + 1
@@ -119,9 +132,16 @@ class Corpus:
         """(file, line index) of every log line matching `pattern`, cached (several rules share one)."""
         key = (pattern, flags)
         if key not in self._grep_cache:
-            rx = re.compile(pattern, flags)
-            self._grep_cache[key] = [(log, i) for log in self.logs for i, line in enumerate(log.lines)
-                                     if rx.search(line)]
+            rx = re.compile(pattern, flags | re.MULTILINE)
+            hits = []
+            for log in self.logs:  # one scan of the whole text in C, not a Python loop over lines
+                last = -1
+                for m in rx.finditer(log.text):
+                    i = log.line_index(m.start())
+                    if i != last:
+                        hits.append((log, i))
+                        last = i
+            self._grep_cache[key] = hits
         return self._grep_cache[key]
 
     def hints(self, pattern: str) -> list[str]:
@@ -222,15 +242,15 @@ def _read_file(path: Path, corpus: Corpus) -> None:
     if path.suffix == ".jsonl" and _read_jsonl(path, head, corpus):
         return
     numbers = None
-    lines = _decode(head)
+    text = _decode(head)
     if tail:
-        head_lines = len(lines)
-        tail_lines = _decode(tail)[1:]  # the first tail line is cut
-        numbers = list(range(1, head_lines + 1)) + list(range(head.count(b"\n") + skipped_newlines + 2,
-                                                               head.count(b"\n") + skipped_newlines + 2
-                                                               + len(tail_lines)))
-        lines += tail_lines
-    log = LogFile(path, lines, numbers, _kind(path, lines))
+        head_lines = text.count("\n") + 1
+        tail_text = _decode(tail).split("\n", 1)[-1]  # the first tail line is cut
+        first_tail = head.count(b"\n") + skipped_newlines + 2
+        numbers = list(range(1, head_lines + 1)) + list(range(first_tail, first_tail + tail_text.count("\n") + 1))
+        text += "\n" + tail_text
+    log = LogFile(path, text, numbers)
+    log.kind = _kind(path, log.lines)
     corpus.logs.append(log)
     if log.kind == "miles-train" and (path.parent / "metrics.jsonl").is_file():
         return  # the same numbers, more precise, come from metrics.jsonl
@@ -239,8 +259,11 @@ def _read_file(path: Path, corpus: Corpus) -> None:
         corpus.metrics.append(source)
 
 
-def _decode(data: bytes) -> list[str]:
-    return [_ANSI.sub("", line) for line in data.decode("utf-8", errors="replace").splitlines()]
+def _decode(data: bytes) -> str:
+    """Text with one line per `\n`: progress bars' `\r` become line breaks, colour codes go, and the
+    final newline is dropped (so `lines` has no empty last entry)."""
+    text = data.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+    return _ANSI.sub("", text).removesuffix("\n")
 
 
 def _kind(path: Path, lines: list[str]) -> str:
@@ -284,28 +307,30 @@ def _read_jsonl(path: Path, data: bytes, corpus: Corpus) -> bool:
 
 
 def _text_metrics(log: LogFile) -> MetricSource:
+    """Metric values printed in a log's text, found by one regex scan per format over the whole file."""
     source = MetricSource(str(log.path))
-    counters: dict[str, int] = {}
-    for i, line in enumerate(log.lines):
-        if not _METRIC_HINT.search(line):
-            continue
-        miles = _MILES_STEP.search(line)
-        if miles:  # `step 3/10 | reward 0.500 | grad_norm nan | ...`
-            step = int(miles.group(1))
-            pairs = [p.split(" ", 1) for p in miles.group(2).split(" | ") if " " in p]
-        else:
-            m = _STEP.search(line)
-            step = int(m.group(1)) if m else None
-            pairs = [(p.group("key"), p.group("val")) for p in _PAIR.finditer(line)]
-        for key, raw in pairs:
-            canonical = CANONICAL.get(key.strip().lower())
+    for m in _MILES_STEP.finditer(log.text):  # miles: `step 3/10 | reward 0.500 | grad_norm nan | ...`
+        i = log.line_index(m.start())
+        for part in m.group(2).split(" | "):
+            key, _, raw = part.partition(" ")
             value = _number(raw)
-            if canonical is None or value is None:
-                continue
-            # TRL prints dicts without a step: count them per metric instead.
-            counters[canonical] = counters.get(canonical, 0) + 1
-            source.add(canonical, Point(step if step is not None else counters[canonical], value, log.where(i),
-                                        line.strip()[:300], counted=step is None))
+            if key in CANONICAL and value is not None:
+                source.add(CANONICAL[key], Point(int(m.group(1)), value, log.where(i), log.lines[i].strip()[:300]))
+    counters: dict[str, int] = {}
+    steps: dict[int, int | None] = {}
+    for m in _ALIAS_PAIR.finditer(log.text):  # `key: value`, `'key': value`, `key=value` (slime, verl, TRL, ...)
+        value = _number(m.group("val"))
+        if value is None:
+            continue
+        i = log.line_index(m.start())
+        if i not in steps:
+            found = _STEP.search(log.lines[i])
+            steps[i] = int(found.group(1)) if found else None
+        canonical = CANONICAL[m.group("key")]
+        # TRL prints dicts without a step: count them per metric instead.
+        counters[canonical] = counters.get(canonical, 0) + 1
+        step = steps[i] if steps[i] is not None else counters[canonical]
+        source.add(canonical, Point(step, value, log.where(i), log.lines[i].strip()[:300], counted=steps[i] is None))
     return source
 
 
