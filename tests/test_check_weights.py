@@ -55,7 +55,7 @@ def test_corrupted_tensor_and_atol(tiny_model, tmp_path, capsys):
     rc, out = check(capsys, tiny_model, b)
     assert rc == 3, out
     assert f"{Q}: values differ" in out and "max abs diff 0.001" in out
-    assert "Weights differ: 1 values differ" in out
+    assert "Weights differ: values differ: 1" in out
     rc, out = check(capsys, tiny_model, b, "--atol", "1e-2")
     assert rc == 0 and "Weights match" in out and "within atol 0.01" in out
 

@@ -257,6 +257,6 @@ def format_report(r: dict) -> str:
     if r["verdict"] == "match":
         lines.append(f"Weights match: {r['identical']} tensors identical{tol}")
     else:
-        counts = ", ".join(f"{len(r[key])} {heading.split(' (')[0]}" for key, heading in SECTIONS.items() if r[key])
+        counts = ", ".join(f"{heading.split(' (')[0]}: {len(r[key])}" for key, heading in SECTIONS.items() if r[key])
         lines.append(f"Weights differ: {counts}; {r['identical']} tensors identical{tol}")
     return "\n".join(lines)

@@ -118,9 +118,10 @@ _CRASH = (r"WorkerCrashed|RaySystemError|RayActorError|ActorDiedError|The actor 
           r"A worker died or was killed")
 _CONSEQUENCES = {"RaySystemError", "RayActorError", "ActorDiedError", "WorkerCrashedError", "RayTaskError",
                  "ActorUnavailableError"}
-ERROR_LINE = re.compile(r"^\s*(?:\([^)]*\)\s*)?(?:\[[^\]]*\]\s*)*(?:[\w.]+\.)?(?P<exc>[A-Z]\w*(?:Error|Exception))"
-                        r"(?:\(\w+\))?(?::|$)|CUDA error:|Segmentation fault|Fatal Python error|"
-                        r"killed due to memory pressure|Killed$")
+# An exception line ending a traceback (after Ray's `(Actor pid=N)` / `[rank0]:` prefixes), or a fatal signal.
+ERROR_LINE = re.compile(r"^[ \t]*(?:\([^)\n]*\)[ \t]*)?(?:\[[^\]\n]*\][ \t]*)*(?:[\w.]+\.)?"
+                        r"(?P<exc>[A-Z]\w*(?:Error|Exception))(?:\(\w+\))?(?::|$)|CUDA error:|Segmentation fault|"
+                        r"Fatal Python error|killed due to memory pressure|Killed$", re.MULTILINE)
 
 
 def _timestamp(log: LogFile, i: int) -> str | None:
@@ -133,11 +134,10 @@ def _timestamp(log: LogFile, i: int) -> str | None:
 
 def error_lines(c: Corpus) -> list[tuple[LogFile, int]]:
     found = []
-    for log in c.logs:
-        for i, line in enumerate(log.lines):
-            m = ERROR_LINE.search(line)
-            if m and m.groupdict().get("exc") not in _CONSEQUENCES and not re.search(_CRASH, line):
-                found.append((log, i))
+    for log, i in c.grep(ERROR_LINE.pattern):
+        m = ERROR_LINE.search(log.lines[i])
+        if m and m.group("exc") not in _CONSEQUENCES and not re.search(_CRASH, log.lines[i]):
+            found.append((log, i))
     return found
 
 

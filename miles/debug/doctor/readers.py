@@ -149,12 +149,13 @@ class Corpus:
         how rules learn a run's setup (MoE, colocate, async, the model name) whatever wrote it."""
         key = ("hints", pattern)
         if key not in self._grep_cache:
-            rx = re.compile(pattern, re.IGNORECASE)
+            rx = re.compile(pattern, re.IGNORECASE | re.MULTILINE)
             found = [f"{path}: {k}={v}" for path, cfg in self.configs for k, v in _flatten(cfg)
                      if rx.search(f"{k}={v}")]
             for log in self.logs:
-                found += [f"{log.where(i)}: {line.strip()[:200]}" for i, line in enumerate(log.lines[:2000])
-                          if rx.search(line)]
+                head = log.text[: log.starts[min(2000, len(log.starts) - 1)]] if len(log.starts) > 2000 else log.text
+                for i in dict.fromkeys(log.line_index(m.start()) for m in rx.finditer(head)):
+                    found.append(f"{log.where(i)}: {log.lines[i].strip()[:200]}")
             self._grep_cache[key] = found
         return self._grep_cache[key]
 

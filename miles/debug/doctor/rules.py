@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 from collections.abc import Callable
+from itertools import accumulate
 
 from miles.debug.doctor.findings import Evidence, Finding
 from miles.debug.doctor.readers import Corpus, LogFile, MetricSource, Point
@@ -266,6 +268,27 @@ def instruct_logp(c: Corpus) -> list[Finding]:
 
 # -- over many steps ------------------------------------------------------------------------------
 
+def find_collapse(values: list[float]) -> tuple[int, int, float, float] | None:
+    """(peak index, drop index, peak, final) when a series rose and then fell back to where it started.
+
+    Window means over an eighth of the run smooth out per-step noise; the fall must exceed 4x the
+    noise of such a mean and 30% of the peak, so a noisy flat series is no collapse."""
+    n = len(values)
+    if n < 30:
+        return None
+    w = max(5, n // 8)
+    sums = [0.0, *accumulate(values)]
+    rolling = [(sums[k + 1] - sums[max(0, k + 1 - w)]) / min(k + 1, w) for k in range(n)]
+    base, final = rolling[w - 1], rolling[-1]
+    k_peak = max(range(w - 1, n), key=rolling.__getitem__)
+    peak = rolling[k_peak]
+    noise = statistics.pstdev(values) / math.sqrt(w)
+    if peak - final <= max(4 * noise, 0.3 * abs(peak)) or final > base + 0.25 * (peak - base):
+        return None
+    k_drop = next(k for k in range(k_peak, n) if rolling[k] < (peak + final) / 2)
+    return k_peak, k_drop, peak, final
+
+
 _MOE = r"\bmoe\b|moe[_-]|num_experts|num_local_experts|n_routed_experts|expert[_-]model[_-]parallel|mixtral|-a\d+b\b"
 
 
@@ -273,19 +296,12 @@ _MOE = r"\bmoe\b|moe[_-]|num_experts|num_local_experts|n_routed_experts|expert[_
 def moe_collapse(c: Corpus) -> list[Finding]:
     out = []
     for src in c.metrics:
-        pts = sorted((p for p in src.series.get("reward", []) if math.isfinite(p.value)), key=lambda p: p.step)
-        if len(pts) < 30:
+        pts = list({p.step: p for p in reversed(src.series.get("reward", [])) if math.isfinite(p.value)}.values())
+        pts.sort(key=lambda p: p.step)  # one value per step (verl logs the score twice)
+        collapse = find_collapse([p.value for p in pts])
+        if collapse is None or pts[collapse[1]].step < 20:
             continue
-        values = [p.value for p in pts]
-        rolling = [sum(values[max(0, k - 4): k + 1]) / len(values[max(0, k - 4): k + 1]) for k in range(len(values))]
-        base, final = sum(values[:5]) / 5, sum(values[-5:]) / 5
-        k_peak = max(range(len(rolling)), key=rolling.__getitem__)
-        peak = rolling[k_peak]
-        if not (peak - base > 0.1 * max(abs(peak), 1e-6) and final <= base + 0.25 * (peak - base)):
-            continue
-        k_drop = next(k for k in range(k_peak, len(rolling)) if rolling[k] < (peak + final) / 2)
-        if pts[k_drop].step < 20:
-            continue
+        k_peak, k_drop, peak, final = collapse
         evidence = [point_ev(pts[k_peak]), point_ev(pts[k_drop]), point_ev(pts[-1])]
         moe = c.hints(_MOE)
         replay = c.hints(r"routing[_-]replay")

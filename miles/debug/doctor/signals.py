@@ -7,7 +7,6 @@ become findings; the rest are reported in the summary line.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from miles.debug.doctor.findings import Evidence, Finding
@@ -36,7 +35,7 @@ class Signal:
 
 def signals(c: Corpus) -> list[Signal]:
     miles = [log for log in c.logs if log.kind == "miles-train"]
-    trained = any(re.search(r"\bstep \d+/\d+ \|", line) for log in miles for line in log.lines)
+    trained = any(log.kind == "miles-train" for log, _ in c.grep(r"\bstep \d+/\d+ \|"))
     one_side = bool(c.hints(_DEBUG_ONE_SIDE))
     megatron = bool(c.hints(r"megatron")) and covers_megatron_build(c)
     out = [
