@@ -61,11 +61,13 @@ def test_each_culprit_is_named_first(capsys, fixture, fid, symptom, fix):
     top = report["findings"][0]
     assert (top["id"], symptom in top["symptom"], fix in top["fix"]) == (fid, True, True), top
     assert top["likely_culprit"] and top["level"] in ("high", "medium")
-    # Evidence quotes the real line: `file:N` holds exactly the text shown.
+    # Evidence quotes the real line: `file:N` holds exactly the text shown (secrets redacted).
+    from miles.debug.doctor.bundle import redact
+
     for e in top["evidence"]:
         path, _, line = e["where"].rpartition(":")
         if line.isdigit() and Path(path).is_file() and not e["text"].startswith("step "):
-            assert Path(path).read_text().splitlines()[int(line) - 1].strip()[:300] == e["text"]
+            assert redact(Path(path).read_text().splitlines()[int(line) - 1].strip()[:300]) == e["text"]
 
 
 def test_nccl_finding_quotes_the_watchdog_and_the_debug_knobs(capsys):
@@ -196,14 +198,30 @@ def test_live_tiny_run_gives_no_finding(capsys, tiny_args, tmp_path):
     dumps = str(tmp_path / "run" / "dumps" / "data_{rollout_id}.pt")
     # Temperature 0.5: the random tiny model's samples then pass miles' own response-NLL check.
     assert main(tiny_args + ["--use-kl-loss", "--kl-loss-coef", "0.1", "--save-debug-rollout-data", dumps,
-                             "--check-weight-update-equal", "--rollout-temperature", "0.5"]) == 0
+                             "--check-weight-update-equal", "--debug-determinism", "--rollout-temperature", "0.5"]) == 0
     assert "WARN |" not in (tmp_path / "run" / "train.log").read_text()
     capsys.readouterr()
     rc, report = findings(capsys, tmp_path / "run")
     assert rc == 0 and report["findings"] == [], report["findings"]
     assert sum("rollout dump" in r for r in report["read"]) == 2
+    assert any(r.endswith("hashes.jsonl (hashes, 2 rows)") for r in report["read"])
     found = {s["phrase"] for s in report["signal_phrases"] if s["count"]}
     assert found == {"Loaded checkpoint from", "weight_sync", "forward_logp_max_diff", "Alignment check"}
+
+
+def test_rollout_only_then_replay_runs_give_no_finding(capsys, tiny_args, tmp_path):
+    """The one-sided debug modes lack `weight_sync` (and more) by design: no false alarm."""
+    dumps = str(tmp_path / "capture" / "dumps" / "data_{rollout_id}.pt")
+    args = tiny_args + ["--rollout-temperature", "0.5"]
+    assert main(args + ["--debug-rollout-only", "--save-debug-rollout-data", dumps,
+                        "--output-dir", str(tmp_path / "capture")]) == 0
+    assert main(args + ["--load-debug-rollout-data", dumps, "--output-dir", str(tmp_path / "replay")]) == 0
+    capsys.readouterr()
+    for run in ("capture", "replay"):
+        rc, report = findings(capsys, tmp_path / run)
+        assert rc == 0 and report["findings"] == [], (run, report["findings"])
+        sig = {s["phrase"]: s for s in report["signal_phrases"]}
+        assert sig["weight_sync"]["count"] == 0 and sig["weight_sync"]["expected"] is False
 
 
 def test_nothing_matches_says_so_and_lists_what_was_read(capsys):
@@ -340,6 +358,12 @@ def test_bundle_holds_a_bug_report_with_secrets_redacted(capsys, tmp_path):
     last = text.split("## Last metrics rows")[1]
     assert '"step": 8' in last and '"step": 4' in last and '"step": 3' not in last
     assert [p.name for p in out.parent.iterdir()] == ["bug.md"]  # no temp file left behind
+
+
+def test_bundle_to_an_unwritable_place_is_a_usage_error(capsys, tmp_path):
+    (tmp_path / "file").write_text("x")
+    rc, _, err = doctor(capsys, FIX / "clean_run", "--bundle", tmp_path / "file" / "bug.md")
+    assert rc == 2 and err.startswith("error: --bundle ") and err.count("\n") == 1
 
 
 def test_redact_keeps_what_is_not_a_secret():

@@ -38,15 +38,22 @@ def run(args: argparse.Namespace) -> int:
     from miles.debug.doctor.bundle import redact, write_bundle
     from miles.debug.doctor.readers import collect
     from miles.debug.doctor.signals import signals
+    from miles.errors import UsageError
 
     corpus = collect(args.paths)
     findings = diagnose(corpus)
-    for f in findings:  # evidence quotes logs; logs hold tokens
+    for f in findings:  # evidence (and culprits naming an error line) quote logs; logs hold tokens
+        f.symptom, f.culprit = redact(f.symptom), redact(f.culprit)
         for e in f.evidence:
             e.text = redact(e.text)
     sigs = signals(corpus)
     text = render(corpus, findings, sigs)
-    bundle = write_bundle(args.bundle, corpus, args.paths, text) if args.bundle else None
+    bundle = None
+    if args.bundle:
+        try:
+            bundle = write_bundle(args.bundle, corpus, args.paths, text)
+        except OSError as e:
+            raise UsageError(f"--bundle {args.bundle}: cannot write there ({e.strerror or e})") from None
     if args.json:
         print(json.dumps({"paths": args.paths, "findings": [f.to_dict() for f in findings],
                           "signal_phrases": [s.to_dict() for s in sigs], "read": corpus.read_list(),

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import re
 
-from miles.debug.doctor.findings import Evidence, Finding
+from miles.debug.doctor.findings import Finding
 from miles.debug.doctor.readers import Corpus, LogFile
-from miles.debug.doctor.rules import TIMESTAMP, completed_steps, line_ev, rule
+from miles.debug.doctor.rules import TIMESTAMP, completed_steps, hint_ev, line_ev, rule
 
 _SGLANG_CONTEXT = re.compile(r"sglang|Scheduler|TP\d+\]|tp_worker|model_runner|cuda_graph_runner", re.IGNORECASE)
 
@@ -28,7 +28,7 @@ def near(log: LogFile, i: int, pattern: str | re.Pattern, before: int = 60, afte
 
 @rule
 def illegal_memory_access(c: Corpus) -> list[Finding]:
-    hits = c.grep(r"(?i)illegal memory access|cudaErrorIllegalAddress|CUDA_ERROR_ILLEGAL_ADDRESS")
+    hits = c.grep(r"illegal memory access|cudaErrorIllegalAddress|CUDA_ERROR_ILLEGAL_ADDRESS")
     if not hits:
         return []
     in_engine = [(log, i) for log, i in hits if log.kind == "sglang" or near(log, i, _SGLANG_CONTEXT, 80) is not None]
@@ -52,7 +52,7 @@ def out_of_memory(c: Corpus) -> list[Finding]:
             rows = [m for m in c.metrics if m.name.endswith("metrics.jsonl")]
             steps = sorted({p.step for m in rows for s in m.series.values() for p in s})
         colocate = c.hints(r"colocate|offload[_-]train|release_memory_occupation|resume_memory_occupation")
-        evidence = [line_ev(log, i)] + ([Evidence("setup", colocate[0])] if colocate else [])
+        evidence = [line_ev(log, i)] + ([hint_ev(colocate[0])] if colocate else [])
         if colocate and len(steps) == 1:
             out.append(Finding("oom_colocate_step2", "OOM at step 2 in colocate mode (step 1 completed)", 0.9, evidence,
                                "the trainer's offload -> reload cycle collides with the SGLang engine on the same "

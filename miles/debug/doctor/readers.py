@@ -22,13 +22,13 @@ from pathlib import Path
 
 from miles.errors import UsageError
 
-TEXT_SUFFIXES = {"", ".log", ".txt", ".out", ".err", ".stdout", ".stderr", ".json", ".jsonl", ".yaml", ".yml",
-                 ".md", ".csv"}
+TEXT_SUFFIXES = {"", ".log", ".txt", ".out", ".err", ".stdout", ".stderr", ".json", ".jsonl", ".yaml", ".yml"}
 # Model and checkpoint dirs hold big JSON (tokenizers) and weights: nothing a symptom shows in.
 SKIP_DIRS = {".git", "__pycache__", "node_modules", "checkpoints", "tensorboard", ".ipynb_checkpoints"}
 SKIP_NAMES = {"tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
               "generation_config.json", "added_tokens.json"}
 MAX_FILES = 400  # text files per invocation; a Ray session dir can hold thousands
+MAX_TOTAL_BYTES = 256 << 20  # all files together: the doctor should answer in a minute, not an hour
 HEAD_BYTES, TAIL_BYTES = 4 << 20, 16 << 20  # a huge log: its start (launch, args) and its end (the crash)
 MAX_DUMPS = 3  # rollout dumps are read with torch: the first two and the last are enough
 MAX_DUMP_BYTES = 512 << 20
@@ -124,7 +124,7 @@ class Corpus:
     configs: list[tuple[Path, dict]] = field(default_factory=list)
     dumps: list[DumpSummary] = field(default_factory=list)
     hashes: list[tuple[Path, int]] = field(default_factory=list)  # (file, rows)
-    run_dirs: list[Path] = field(default_factory=list)
+    bytes_read: int = 0
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, why)
     _grep_cache: dict = field(default_factory=dict, repr=False)
 
@@ -155,7 +155,7 @@ class Corpus:
             for log in self.logs:
                 head = log.text[: log.starts[min(2000, len(log.starts) - 1)]] if len(log.starts) > 2000 else log.text
                 for i in dict.fromkeys(log.line_index(m.start()) for m in rx.finditer(head)):
-                    found.append(f"{log.where(i)}: {log.lines[i].strip()[:200]}")
+                    found.append(f"{log.where(i)}: {log.lines[i].strip()[:300]}")
             self._grep_cache[key] = found
         return self._grep_cache[key]
 
@@ -184,11 +184,11 @@ def collect(paths: list[str]) -> Corpus:
             dumps.append(path)
         elif len(corpus.logs) + len(corpus.configs) >= MAX_FILES:
             corpus.skipped.append((str(path), f"over the {MAX_FILES}-file limit"))
+        elif corpus.bytes_read >= MAX_TOTAL_BYTES:
+            corpus.skipped.append((str(path), f"over the {MAX_TOTAL_BYTES >> 20} MiB total read limit"))
         else:
             _read_file(path, corpus)
     _read_dumps(dumps, corpus)
-    corpus.run_dirs = sorted({log.path.parent for log in corpus.logs if log.kind == "miles-train"}
-                             | {Path(m.name).parent for m in corpus.metrics if m.name.endswith("metrics.jsonl")})
     if not (corpus.logs or corpus.metrics or corpus.configs or corpus.dumps):
         why = "; ".join(f"{p}: {w}" for p, w in corpus.skipped[:3])
         raise UsageError(f"{' '.join(paths)}: no log, metrics, config or rollout dump files to read"
@@ -221,6 +221,9 @@ def _read_file(path: Path, corpus: Corpus) -> None:
             if b"\0" in head[:8192]:
                 corpus.skipped.append((str(path), "binary"))
                 return
+            if head.startswith(b"# miles doctor bundle"):  # our own output quotes logs: reading it doubles them
+                corpus.skipped.append((str(path), "a `miles doctor --bundle` file"))
+                return
             tail, skipped_newlines = b"", 0
             if size > HEAD_BYTES + TAIL_BYTES:
                 # Count the newlines in between so the tail's line numbers are still true.
@@ -232,6 +235,7 @@ def _read_file(path: Path, corpus: Corpus) -> None:
     except OSError as e:
         corpus.skipped.append((str(path), e.strerror or type(e).__name__))
         return
+    corpus.bytes_read += len(head) + len(tail)
     if path.name == "config.json" or (path.suffix == ".json" and size < (1 << 20)):
         try:
             data = json.loads(head)
@@ -318,20 +322,21 @@ def _text_metrics(log: LogFile) -> MetricSource:
             if key in CANONICAL and value is not None:
                 source.add(CANONICAL[key], Point(int(m.group(1)), value, log.where(i), log.lines[i].strip()[:300]))
     counters: dict[str, int] = {}
-    steps: dict[int, int | None] = {}
+    last, where, text, step = -1, "", "", None
     for m in _ALIAS_PAIR.finditer(log.text):  # `key: value`, `'key': value`, `key=value` (slime, verl, TRL, ...)
         value = _number(m.group("val"))
         if value is None:
             continue
         i = log.line_index(m.start())
-        if i not in steps:
+        if i != last:  # a metrics line holds several values: look up its place and step once
+            last, where, text = i, log.where(i), log.lines[i].strip()[:300]
             found = _STEP.search(log.lines[i])
-            steps[i] = int(found.group(1)) if found else None
+            step = int(found.group(1)) if found else None
         canonical = CANONICAL[m.group("key")]
         # TRL prints dicts without a step: count them per metric instead.
         counters[canonical] = counters.get(canonical, 0) + 1
-        step = steps[i] if steps[i] is not None else counters[canonical]
-        source.add(canonical, Point(step, value, log.where(i), log.lines[i].strip()[:300], counted=steps[i] is None))
+        source.add(canonical, Point(step if step is not None else counters[canonical], value, where, text,
+                                    counted=step is None))
     return source
 
 
@@ -342,9 +347,12 @@ def _number(raw) -> float | None:
         return float(raw)
     if isinstance(raw, str):
         try:
-            return float(raw.strip().strip("'\"").replace("Infinity", "inf"))
+            return float(raw)  # float() reads "nan", "inf", "-Infinity" as they are written
         except ValueError:
-            return None
+            try:
+                return float(raw.strip().strip("'\""))
+            except ValueError:
+                return None
     return None
 
 

@@ -34,7 +34,13 @@ def point_ev(p: Point) -> Evidence:
     return Evidence(p.where, p.text)
 
 
-LOADED = r"(?i)loaded checkpoint from (?!`)\S"  # not a line that only quotes the phrase
+def hint_ev(hint: str) -> Evidence:
+    """A `Corpus.hints` entry (`file:line: text` or `config.json: key=value`) as evidence."""
+    where, _, text = hint.partition(": ")
+    return Evidence(where, text)
+
+
+LOADED = r"[Ll]oaded checkpoint from (?!`)\S"  # not a line that only quotes the phrase
 # Per-step summary lines: miles `step 3/10 |`, slime/Miles `step 3: {`, verl `step:3 -`, Megatron `iteration 3/`.
 MILES_STEP = re.compile(r"\bstep (\d+)/\d+ \||^\s*(?:\(.*?\)\s*)?.*?\bstep (\d+): \{|\bstep:(\d+) - |"
                         r"\biteration\s+(\d+)/")
@@ -53,7 +59,7 @@ def completed_steps(log: LogFile, before: int) -> list[int]:
 
 def first_step(source: MetricSource, *names: str) -> tuple[int, dict[str, list[Point]]] | None:
     """The run's first step (0 or 1; a resumed run has none) and its finite values for `names`."""
-    points = [p for n in names for p in source.series.get(n, []) if not getattr(p, "counted", False)]
+    points = [p for n in names for p in source.series.get(n, []) if not p.counted]
     if not points:
         return None
     step = min(p.step for p in points)
@@ -123,8 +129,7 @@ def weight_sync_checks(c: Corpus) -> list[Finding]:
 @rule
 def checkpoint_not_loaded(c: Corpus) -> list[Finding]:
     out = []
-    for log, i in c.grep(r"(?i)will not load any checkpoints and will start from random|could not find the "
-                         r"metadata file"):
+    for log, i in c.grep(r"will not load any checkpoints and will start from random|could not find the metadata file"):
         out.append(Finding("no_checkpoint_loaded", "the trainer started from random weights: no checkpoint found",
                            0.9, [line_ev(log, i)], "--load / --ref-load name a dir with no checkpoint in it "
                            "(Megatron reads latest_checkpointed_iteration.txt)",
@@ -151,7 +156,7 @@ def checkpoint_not_loaded(c: Corpus) -> list[Finding]:
         if steps and megatron and covers_megatron_build(c):
             log, i = steps[0]
             out.append(Finding("no_checkpoint_loaded", "no `loaded checkpoint from` line in a Megatron-based run "
-                               "that trained", 0.5, [line_ev(log, i), Evidence("hint", megatron[0])],
+                               "that trained", 0.5, [line_ev(log, i), hint_ev(megatron[0])],
                                "parameters did not load (or the log starts after loading)",
                                "check --load / --ref-load; Megatron prints `successfully loaded checkpoint from`"))
     return out
@@ -206,15 +211,15 @@ def kl_at_step_one(c: Corpus) -> list[Finding]:
         value, _, weight = max(measures, key=lambda m: m[0])
         evidence = [point_ev(p) for v, p, _ in measures if v == value or v > 1e-4][:4]
         if value > 1:
-            out.append(Finding("kl_step1", f"KL > 1 at step {step} (|log_probs - ref_log_probs| {value:.3g}): the "
-                               "actor and the reference differ", 0.85 * weight, evidence,
+            out.append(Finding("kl_step1", f"KL > 1 at step {step} (KL / |log_probs - ref_log_probs| {value:.3g}): "
+                               "the actor and the reference differ", 0.85 * weight, evidence,
                                "configuration: --ref-load is another checkpoint than the initial policy, or the two "
                                "models run with different precision / parallelism",
                                "point --ref-load at the initial policy (miles: leave it unset); same --precision; "
                                "re-check TP/PP/CP sizes of actor and reference"))
         elif value > 1e-4:
-            out.append(Finding("kl_step1", f"KL != 0 at step {step} (|log_probs - ref_log_probs| {value:.3g}, above "
-                               "kernel jitter 1e-4)", 0.75 * weight, evidence,
+            out.append(Finding("kl_step1", f"KL != 0 at step {step} (KL / |log_probs - ref_log_probs| {value:.3g}, "
+                               "above kernel jitter 1e-4)", 0.75 * weight, evidence,
                                "non-deterministic fused attention (Transformer Engine under context parallel) or "
                                "another non-deterministic kernel in one of the two forwards",
                                "--attention-backend flash (forces deterministic Flash Attention in Megatron/TE); in "
@@ -254,9 +259,9 @@ def instruct_logp(c: Corpus) -> list[Finding]:
         p = (pts["logp"] or pts["engine_logp"] or [None])[0]
         if p is None or not 0.6 <= -p.value <= 3.0:
             continue
-        evidence = [point_ev(p), Evidence("model", models[0])]
+        evidence = [point_ev(p), hint_ev(models[0])]
         if no_template:
-            evidence.append(Evidence("config", no_template[0]))
+            evidence.append(hint_ev(no_template[0]))
         out.append(Finding("instruct_logp", f"log-prob {p.value:.2f}/token at step {step} on an instruct model "
                            "(normal is ~0.1-0.4)", 0.75 if no_template else 0.6, evidence,
                            "chat-template mismatch: the prompts are not in the format the model was trained on"
@@ -308,7 +313,7 @@ def moe_collapse(c: Corpus) -> list[Finding]:
         what = f"reward collapses after step ~{pts[k_drop].step} (peak {peak:.3g}, now {final:.3g})"
         if moe:
             out.append(Finding("moe_collapse", "MoE training collapse: " + what, 0.55 if replay else 0.8,
-                               evidence + [Evidence("MoE", moe[0])],
+                               evidence + [hint_ev(moe[0])],
                                "expert routing differs between the engine (rollout) and the trainer: routing not "
                                "replayed" + (" although routing replay is on (check it reaches the trainer)"
                                              if replay else " (R3 off)"),
@@ -328,8 +333,8 @@ def nan_gradients(c: Corpus) -> list[Finding]:
     for src in c.metrics:
         bad = [p for p in src.series.get("grad_norm", []) if not math.isfinite(p.value)]
         evidence += [point_ev(p) for p in bad[:2]]
-    for log, i in c.grep(r"(?i)found (?:nan|inf) in local grad norm|nan or inf found in input tensor|"
-                         r"loss is (?:nan|inf)\b|detected (?:nan|inf) (?:in|gradient)|"
+    for log, i in c.grep(r"found (?:NaN|Inf|nan|inf) in local grad norm|(?:NaN|nan) or (?:Inf|inf) found in input "
+                         r"tensor|[Ll]oss is (?:nan|inf|NaN|Inf)\b|[Dd]etected (?:NaN|Inf|nan|inf) (?:in|gradient)|"
                          r"\| grad_norm -?(?:nan|inf) \|")[:3]:
         evidence.append(line_ev(log, i))
     if not evidence:
@@ -338,7 +343,7 @@ def nan_gradients(c: Corpus) -> list[Finding]:
     culprit = ("activation overflow in FP8, or a bad chat template" if fp8 else
                "a bad chat template (garbage prompts give extreme log-probs), or activation overflow in low precision")
     if fp8:
-        evidence.append(Evidence("fp8", fp8[0]))
+        evidence.append(hint_ev(fp8[0]))
     return [Finding("nan_grad", "NaN/Inf gradients", 0.9, evidence, culprit,
                     ("turn FP8 off (drop --fp8-format) to confirm; " if fp8 else "--precision fp32 to confirm; ")
                     + "`miles verify-chat-template --model DIR`; keep --clip-grad 1.0")]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from miles.debug.doctor.findings import Evidence, Finding
 from miles.debug.doctor.readers import Corpus
-from miles.debug.doctor.rules import LOADED, covers_megatron_build, rule
+from miles.debug.doctor.rules import LOADED, covers_megatron_build, hint_ev, rule
 
 _ASYNC = r"\basync\b|train_async|fully_async|async[_-]rollout|rollout[_-]async"
 _DEBUG_ONE_SIDE = r"debug[_-]rollout[_-]only=(True|true)|debug[_-]train[_-]only=(True|true)|--debug-rollout-only|" \
@@ -41,7 +41,8 @@ def signals(c: Corpus) -> list[Signal]:
     out = [
         Signal("Loaded checkpoint from", LOADED, "weights were loaded",
                "parameters did not load (or the log starts after loading): check --load / --ref-load / "
-               "--hf-checkpoint", bool(miles) or megatron, "not a miles or Megatron log"),
+               "--hf-checkpoint", bool(miles) or megatron,
+               "not a miles log, nor a Megatron log that covers model loading"),
         Signal("weight_sync", r"weight_sync", "trainer -> engine weight transfers happened",
                "no trainer -> engine weight transfer was logged: the engine may still sample from the initial "
                "weights", trained and not one_side,
@@ -82,7 +83,7 @@ def missing_signals(c: Corpus) -> list[Finding]:
         elif s.phrase == "Continuous async rollout worker started":
             hint = c.hints(_ASYNC)[0]
             out.append(Finding("async_worker_missing", "async run, but no `Continuous async rollout worker started`",
-                               0.5, [Evidence("async", hint)], "the async rollout worker never started (or its log "
+                               0.5, [hint_ev(hint)], "the async rollout worker never started (or its log "
                                "went elsewhere: Ray worker logs)", "check the rollout worker's log under "
                                "~/.ray/session_latest/logs/; RAY_DEDUP_LOGS=0"))
     return out
