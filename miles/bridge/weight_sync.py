@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from miles.rollout.engine import tensor_digest
+from miles.utils.digest import tensor_digest
 
 logger = logging.getLogger("miles")
 

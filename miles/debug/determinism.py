@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from miles.bridge.types import Sample
+from miles.utils.digest import digest, tensor_bytes
 
 logger = logging.getLogger("miles")
 
@@ -47,17 +48,6 @@ def enable_deterministic_mode(seed: int, device: str, attention_backend: str) ->
                        f"made with the same OMP_NUM_THREADS")
     for caveat in caveats:
         logger.warning("--deterministic-mode cannot cover: %s", caveat)
-
-
-def digest(*parts: bytes) -> str:
-    h = hashlib.sha256()
-    for part in parts:
-        h.update(part)
-    return h.hexdigest()[:16]
-
-
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
 
 
 def model_digest(model: torch.nn.Module, grads: bool = False) -> str:

@@ -23,6 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from miles.config import SamplingParams
+from miles.utils.digest import tensor_digest
 
 
 @dataclass
@@ -66,12 +67,6 @@ def sample_seed(seed: int, rollout_id: int, index: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def tensor_digest(t: torch.Tensor) -> str:
-    """sha256 of a tensor's raw bytes: equal digests mean bitwise-equal tensors of one dtype."""
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
-    return hashlib.sha256(raw.tobytes()).hexdigest()
-
-
 def fresh_buffers(model) -> dict[str, torch.Tensor]:
     """The model's buffers as a freshly built module computes them.
 
@@ -107,9 +102,6 @@ class LocalEngine:
         self.weight_dtype = next(model.parameters()).dtype
 
     # -- weights: the receiving end of the weight-sync interface --------------------------------
-
-    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        return self.model.named_parameters()
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

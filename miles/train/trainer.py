@@ -16,7 +16,8 @@ import torch
 
 from miles.bridge.types import Sample
 from miles.config import TrainConfig
-from miles.debug.determinism import digest, model_digest, tensor_bytes
+from miles.debug.determinism import model_digest
+from miles.utils.digest import digest, tensor_bytes
 from miles.train.advantages import ADVANTAGE_ESTIMATORS
 from miles.train.batch import TrainBatch, response_log_probs
 from miles.train.losses import KL_ESTIMATORS, aggregate, masked_mean, policy_loss, tis_weights
@@ -64,29 +65,40 @@ class Trainer:
         return torch.cat(out)
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
-        cfg = self.cfg
+        """Scores the rollout, then takes `num_steps_per_rollout` optimizer steps on it."""
         batch = TrainBatch.from_samples(samples, self.pad_token_id, self.device)
-        mask = batch.mask
         old_log_probs = self._score(self.model, batch)
         ref_log_probs = self._score(self.ref_model, batch) if self.ref_model is not None else None
-        kl = KL_ESTIMATORS[cfg.kl_loss_type](old_log_probs, ref_log_probs) if ref_log_probs is not None else None
-        advantages = ADVANTAGE_ESTIMATORS[cfg.advantage_estimator](
-            batch.rewards, kl, mask, group_size=cfg.n_samples_per_prompt, kl_coef=cfg.kl_coef)
+        metrics = score_metrics(batch, old_log_probs, ref_log_probs, self.cfg.kl_loss_type)
+        kl = KL_ESTIMATORS[self.cfg.kl_loss_type](old_log_probs, ref_log_probs) if ref_log_probs is not None else None
+        advantages = ADVANTAGE_ESTIMATORS[self.cfg.advantage_estimator](
+            batch.rewards, kl, batch.mask, group_size=self.cfg.n_samples_per_prompt, kl_coef=self.cfg.kl_coef)
+        metrics["rollout/advantages"] = masked_mean(advantages, batch.mask).item()
 
-        metrics = {
-            "rollout/log_probs": masked_mean(old_log_probs, mask).item(),
-            "rollout/advantages": masked_mean(advantages, mask).item(),
-        }
-        if batch.has_rollout_log_probs:  # how far the engine's log-probs are from the trainer's
-            logp_diff = (old_log_probs - batch.rollout_log_probs).abs() * mask
-            metrics["train/train_rollout_logprob_abs_diff"] = masked_mean(logp_diff, mask).item()
-            metrics["forward_logp_max_diff"] = logp_diff.max().item()
-        if ref_log_probs is not None:
-            metrics["rollout/ref_log_probs"] = masked_mean(ref_log_probs, mask).item()
-            metrics["rollout/kl"] = masked_mean(kl, mask).item()
+        step_metrics, grad_digests, recompute_gap = self._optimize(batch, advantages, old_log_probs, ref_log_probs)
+        for key in step_metrics[0]:
+            metrics[key] = sum(m[key] for m in step_metrics) / len(step_metrics)
+        metrics["train/recompute_logp_max_diff"] = recompute_gap
+        if self.record_hashes:
+            losses = [m["train/loss"] for m in step_metrics]
+            self.step_hashes = {"trainer_log_probs": digest(tensor_bytes(old_log_probs * batch.mask)),
+                                "loss": digest(struct.pack(f"<{len(losses)}d", *losses)),
+                                "gradients": digest(*(d.encode() for d in grad_digests)),
+                                "parameters": model_digest(self.model)}
+        self.diagnostics = StepDiagnostics(old_log_probs, ref_log_probs,
+                                           batch.rollout_log_probs if batch.has_rollout_log_probs else None,
+                                           batch.mask, recompute_gap)
+        return metrics
 
-        step_metrics, grad_digests = [], []
-        self._recompute_max_diff = 0.0
+    def _optimize(self, batch: TrainBatch, advantages, old_log_probs, ref_log_probs):
+        """The optimizer steps, each over a global batch accumulated from micro-batches.
+
+        Returns each step's metrics, each step's gradient digest (with --debug-determinism), and
+        the largest gap between the first step's training forward and the scoring forward, which
+        must be 0 before any update has been made.
+        """
+        cfg = self.cfg
+        step_metrics, grad_digests, recompute_gap = [], [], 0.0
         gbs, mbs = cfg.global_batch_size, cfg.micro_batch_size
         with Progress("training", total=batch.rewards.numel() // mbs) as bar:
             for step in range(cfg.num_steps_per_rollout):
@@ -94,8 +106,12 @@ class Trainer:
                 sums: dict[str, float] = {}
                 for start in range(step * gbs, (step + 1) * gbs, mbs):
                     rows = slice(start, start + mbs)
-                    for key, value in self._micro_step(batch.rows(start, start + mbs), advantages[rows],
-                                                       old_log_probs[rows], ref_log_probs, rows, step == 0).items():
+                    out = self._micro_step(batch.rows(start, start + mbs), advantages[rows], old_log_probs[rows],
+                                           ref_log_probs[rows] if ref_log_probs is not None else None)
+                    gap = out.pop("recompute_max_diff")
+                    if step == 0:
+                        recompute_gap = max(recompute_gap, gap)
+                    for key, value in out.items():
                         sums[key] = sums.get(key, 0.0) + value
                     bar.advance()
                 if self.record_hashes:
@@ -104,34 +120,17 @@ class Trainer:
                 sums["train/grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
                 self.optimizer.step()
                 step_metrics.append(sums)
-        for key in step_metrics[0]:
-            metrics[key] = sum(m[key] for m in step_metrics) / len(step_metrics)
-        # Before the first update the training forward must reproduce the scoring forward.
-        metrics["train/recompute_logp_max_diff"] = self._recompute_max_diff
-        if self.record_hashes:
-            losses = [m["train/loss"] for m in step_metrics]
-            self.step_hashes = {"trainer_log_probs": digest(tensor_bytes(old_log_probs * mask)),
-                                "loss": digest(struct.pack(f"<{len(losses)}d", *losses)),
-                                "gradients": digest(*(d.encode() for d in grad_digests)),
-                                "parameters": model_digest(self.model)}
-        self.diagnostics = StepDiagnostics(old_log_probs, ref_log_probs,
-                                           batch.rollout_log_probs if batch.has_rollout_log_probs else None, mask,
-                                           self._recompute_max_diff)
-        return metrics
+        return step_metrics, grad_digests, recompute_gap
 
-    def _micro_step(self, mb: TrainBatch, advantages, old_log_probs, ref_log_probs, rows,
-                    first_step: bool) -> dict[str, float]:
+    def _micro_step(self, mb: TrainBatch, advantages, old_log_probs, ref_log_probs) -> dict[str, float]:
         """Forward + backward of one micro-batch. Returns its share of the step's metrics."""
         cfg, gbs = self.cfg, self.cfg.global_batch_size
         with self._autocast():
             log_probs, entropy = response_log_probs(self.model, mb, cfg.rollout_temperature, with_entropy=True)
-        if first_step:
-            diff = ((log_probs.detach() - old_log_probs).abs() * mb.mask).max().item()
-            self._recompute_max_diff = max(self._recompute_max_diff, diff)
+        out = {"recompute_max_diff": ((log_probs.detach() - old_log_probs).abs() * mb.mask).max().item()}
         pg, clipped, ppo_kl = policy_loss(log_probs, old_log_probs, advantages, mb.mask, eps_clip=cfg.eps_clip,
                                           eps_clip_high=cfg.eps_clip_high,
                                           sequence_level_ratio=cfg.advantage_estimator == "gspo")
-        out = {}
         if cfg.use_tis:
             weights, tis_clipped = tis_weights(old_log_probs, mb.rollout_log_probs, cfg.tis_clip)
             pg = pg * weights
@@ -140,7 +139,7 @@ class Trainer:
         pg_loss = aggregate(pg, mb.mask, gbs)
         loss = pg_loss
         if cfg.use_kl_loss:
-            kl_loss = aggregate(KL_ESTIMATORS[cfg.kl_loss_type](log_probs, ref_log_probs[rows]), mb.mask, gbs)
+            kl_loss = aggregate(KL_ESTIMATORS[cfg.kl_loss_type](log_probs, ref_log_probs), mb.mask, gbs)
             loss = loss + cfg.kl_loss_coef * kl_loss
             out["train/kl_loss"] = kl_loss.item()
         loss.backward()
@@ -158,3 +157,17 @@ class Trainer:
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
+
+
+def score_metrics(batch: TrainBatch, old_log_probs, ref_log_probs, kl_type: str) -> dict[str, float]:
+    """The rollout's log-prob metrics: trainer, reference, and the trainer/engine mismatch."""
+    mask = batch.mask
+    metrics = {"rollout/log_probs": masked_mean(old_log_probs, mask).item()}
+    if batch.has_rollout_log_probs:  # how far the engine's log-probs are from the trainer's
+        logp_diff = (old_log_probs - batch.rollout_log_probs).abs() * mask
+        metrics["train/train_rollout_logprob_abs_diff"] = masked_mean(logp_diff, mask).item()
+        metrics["forward_logp_max_diff"] = logp_diff.max().item()
+    if ref_log_probs is not None:
+        metrics["rollout/ref_log_probs"] = masked_mean(ref_log_probs, mask).item()
+        metrics["rollout/kl"] = masked_mean(KL_ESTIMATORS[kl_type](old_log_probs, ref_log_probs), mask).item()
+    return metrics
