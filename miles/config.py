@@ -86,6 +86,7 @@ class RunConfig:
     debug_weight_sync: int
     deterministic_mode: bool
     debug_determinism: bool  # hashes.jsonl
+    true_on_policy_mode: bool  # the engine samples from the trainer's computation
 
 
 def build_configs(args: argparse.Namespace) -> tuple[ModelConfig, RolloutConfig, TrainConfig, RunConfig]:
@@ -104,5 +105,6 @@ def build_configs(args: argparse.Namespace) -> tuple[ModelConfig, RolloutConfig,
                     args.use_tensorboard, args.use_wandb, args.wandb_project, args.wandb_group,
                     args.debug_rollout_only, args.save_debug_rollout_data, args.load_debug_rollout_data,
                     args.debug_rollout_print_every, args.alignment_check, args.check_weight_update_equal,
-                    args.debug_weight_sync, args.deterministic_mode, args.debug_determinism)
+                    args.debug_weight_sync, args.deterministic_mode, args.debug_determinism,
+                    args.true_on_policy_mode)
     return model, rollout, train, run

@@ -31,7 +31,8 @@ from miles.rollout.engine import LocalEngine
 from miles.rollout.rewards import RewardFn
 from miles.rollout.rollout import RolloutManager, drop_long_prompts
 from miles.train.checkpoint import find_latest_checkpoint, load_trainer_state, save_checkpoint
-from miles.train.trainer import Trainer
+from miles.rollout.true_on_policy import TrainerComputationVerifier
+from miles.train.trainer import Trainer, mixed_precision
 from miles.utils.logging import MetricsWriter
 from miles.utils.models import eos_token_ids, load_causal_lm, load_tokenizer, quiet_transformers, resolve_checkpoint
 
@@ -140,10 +141,7 @@ def build_components(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, train_c
     else:
         records = drop_long_prompts(data.records, tokenizer, rollout_cfg)
         dataset = PromptDataset(records, shuffle=rollout_cfg.shuffle, seed=rollout_cfg.seed)
-        engine_dtype = torch.bfloat16 if model_cfg.precision == "bf16" else torch.float32
-        engine_model = load_causal_lm(resume or base, dtype=engine_dtype, **load)
-        engine = LocalEngine(engine_model, eos_token_ids=eos_token_ids(engine_model, tokenizer),
-                             pad_token_id=tokenizer.pad_token_id)
+        engine = build_engine(resume or base, tokenizer, model_cfg, train_cfg, run_cfg.true_on_policy_mode)
         source = RolloutManager(rollout_cfg, engine, tokenizer, dataset, reward_fn)
 
     trainer = None
@@ -169,6 +167,25 @@ def build_components(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, train_c
     context = CheckContext(_vocab_size(base, tokenizer), model_cfg.precision, bool(tokenizer.chat_template),
                            rollout_cfg.apply_chat_template, rm_type, rollout_cfg.label_key)
     return Components(tokenizer, source, engine, trainer, dataset, start_step, context)
+
+
+def build_engine(path, tokenizer, model_cfg: ModelConfig, train_cfg: TrainConfig, true_on_policy: bool) -> LocalEngine:
+    """The rollout engine: bf16 weights in bf16 runs; in true on-policy mode the trainer's own
+    numerics instead (fp32 weights under the trainer's autocast) and a check of every rollout."""
+    load = dict(device=model_cfg.device, attention_backend=model_cfg.attention_backend)
+    if not true_on_policy:
+        dtype = torch.bfloat16 if model_cfg.precision == "bf16" else torch.float32
+        model = load_causal_lm(path, dtype=dtype, **load)
+        return LocalEngine(model, eos_token_ids=eos_token_ids(model, tokenizer), pad_token_id=tokenizer.pad_token_id)
+    model = load_causal_lm(path, dtype=torch.float32, **load)
+    engine = LocalEngine(model, eos_token_ids=eos_token_ids(model, tokenizer), pad_token_id=tokenizer.pad_token_id,
+                         autocast=lambda: mixed_precision(model_cfg.precision, model_cfg.device))
+    engine.verifier = TrainerComputationVerifier(micro_batch_size=train_cfg.micro_batch_size,
+                                                 temperature=train_cfg.rollout_temperature,
+                                                 pad_token_id=tokenizer.pad_token_id)
+    logger.info("--true-on-policy-mode: the engine samples from the trainer's own computation (score_rollout, "
+                "micro-batch %d, %s) and reports its log-probs", train_cfg.micro_batch_size, model_cfg.precision)
+    return engine
 
 
 def _vocab_size(base: Path, tokenizer) -> int:

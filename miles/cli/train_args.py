@@ -91,6 +91,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("debug: determinism")
     g.add_argument("--deterministic-mode", action="store_true",
                    help="bitwise-reproducible runs: seeds, deterministic kernels and attention (logged)")
+    g.add_argument("--true-on-policy-mode", action="store_true",
+                   help="the engine samples from exactly the trainer's computation: engine and trainer log-probs "
+                        "equal bitwise (needs --rollout-top-p 1)")
     g.add_argument("--debug-determinism", action="store_true",
                    help="write per-step hashes (tokens, log-probs, rewards, loss, gradients, parameters) to hashes.jsonl")
 
@@ -179,6 +182,12 @@ def _check_debug_flags(args: argparse.Namespace) -> None:
     if args.debug_train_only and args.load_debug_rollout_data is None:
         raise UsageError("--debug-train-only builds no engine, so it needs rollouts to train on: pass "
                          "--load-debug-rollout-data TEMPLATE (dumps written by --save-debug-rollout-data)")
+    if args.true_on_policy_mode and args.load_debug_rollout_data is not None:
+        raise UsageError("--true-on-policy-mode changes how the engine samples; a replay of "
+                         "--load-debug-rollout-data has no engine: capture the dumps with --true-on-policy-mode")
+    if args.true_on_policy_mode and args.rollout_top_p < 1:
+        raise UsageError(f"--true-on-policy-mode needs --rollout-top-p 1 (got {args.rollout_top_p}): with top-p the "
+                         "engine samples from a truncated distribution, not the one both sides compute")
     if args.debug_rollout_print_every is not None and args.debug_rollout_print_every <= 0:
         raise UsageError(f"--debug-rollout-print-every must be > 0 (got {args.debug_rollout_print_every})")
 

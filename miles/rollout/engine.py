@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import contextlib
 import hashlib
 import inspect
 
@@ -90,8 +91,10 @@ def fresh_buffers(model) -> dict[str, torch.Tensor]:
 
 
 class LocalEngine:
-    def __init__(self, model, *, eos_token_ids: list[int], pad_token_id: int):
+    def __init__(self, model, *, eos_token_ids: list[int], pad_token_id: int, autocast=contextlib.nullcontext):
         self.model = model.eval()
+        self.autocast = autocast  # a context factory: the trainer's autocast in true on-policy mode
+        self.verifier = None  # set by --true-on-policy-mode (miles/rollout/true_on_policy.py)
         # transformers renamed `past_key_values` to `cache` (5.2x); speak whichever this one has.
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -142,8 +145,20 @@ class LocalEngine:
     ) -> list[GenerationOutput]:
         """Generates one response per prompt (token ids), sample i drawing from the random stream
         seeded by seeds[i]. `on_step(n)` is told of each decode step."""
+        # Sample i's k-th token uses the k-th number of its stream, whatever else is decoded.
+        uniforms = torch.stack([torch.rand(sampling.max_new_tokens, generator=torch.Generator().manual_seed(s),
+                                           dtype=torch.float64) for s in seeds])  # (B, T)
+        with self.autocast():
+            outputs = self.decode(prompts, sampling, uniforms, on_step)
+            if self.verifier is not None:
+                outputs = self.verifier.verify(self, prompts, outputs, sampling, uniforms)
+        return outputs
+
+    @torch.no_grad()
+    def decode(self, prompts: list[list[int]], sampling: SamplingParams, uniforms: torch.Tensor,
+               on_step: Callable[[int], None] | None = None) -> list[GenerationOutput]:
+        """The batched KV-cache decode loop; uniforms (B, T) drive the sampling, T new tokens at most."""
         batch = len(prompts)
-        streams = [torch.Generator().manual_seed(s) for s in seeds]
         input_ids, attention_mask = self._left_pad(prompts)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
@@ -153,9 +168,9 @@ class LocalEngine:
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)
         tokens, log_probs, stopped = [], [], []
         next_pos = position_ids[:, -1:] + 1
-        for step in range(sampling.max_new_tokens):
-            uniforms = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in streams])
-            tok, logp = sample_tokens(logits, sampling, uniforms)
+        max_new_tokens = uniforms.shape[1]
+        for step in range(max_new_tokens):
+            tok, logp = sample_tokens(logits, sampling, uniforms[:, step])
             tok = tok.masked_fill(done, self.pad_token_id)
             tokens.append(tok)
             log_probs.append(logp)
@@ -164,7 +179,7 @@ class LocalEngine:
             done |= hit_eos
             if on_step is not None:
                 on_step(step + 1)
-            if bool(done.all()) or step + 1 == sampling.max_new_tokens:
+            if bool(done.all()) or step + 1 == max_new_tokens:
                 break
             attention_mask = torch.cat([attention_mask, (~done)[:, None].long()], dim=-1)
             logits = self._decode_step(tok[:, None], attention_mask, next_pos, cache)

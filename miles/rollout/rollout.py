@@ -66,6 +66,8 @@ class RolloutManager:
 
         n_tokens = sum(s.response_length for s in samples)
         self.last_stats = {"perf/rollout_time_s": gen_time, "perf/rollout_tok_s": n_tokens / max(gen_time, 1e-9)}
+        if self.engine.verifier is not None:  # --true-on-policy-mode: tokens re-drawn from the trainer's numbers
+            self.last_stats["rollout/true_on_policy_redrawn"] = self.engine.verifier.last_redrawn
         return samples
 
 

@@ -51,23 +51,47 @@ class TrainBatch:
                           self.rollout_log_probs[start:end], self.rewards[start:end], self.has_rollout_log_probs)
 
 
-def response_log_probs(model, batch: TrainBatch, temperature: float, *, with_entropy: bool = False):
+def response_log_probs(model, batch: TrainBatch, temperature: float, *, with_entropy: bool = False,
+                       with_logits: bool = False):
     """Log-probs (B, R) of each response token under `model`, at the sampling temperature.
 
-    Also returns the entropy (B, R) of the next-token distribution when asked (no gradient).
+    The second value is, when asked, the entropy (B, R) of the next-token distribution (no
+    gradient), or the raw logits (B, R, V) at the response positions.
     """
     position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                    position_ids=position_ids).logits[:, :-1].float()  # (B, L-1, V)
+    raw = logits
     if temperature > 0:
         logits = logits / temperature
     targets = batch.input_ids[:, 1:]
     log_z = logits.logsumexp(-1)  # (B, L-1)
     token_logp = logits.gather(-1, targets[..., None]).squeeze(-1) - log_z
     log_probs = token_logp.gather(1, batch.response_positions)
+    if with_logits:
+        index = batch.response_positions[..., None].expand(-1, -1, raw.shape[-1])
+        return log_probs, raw.gather(1, index)
     if not with_entropy:
         return log_probs, None
     with torch.no_grad():
         probs = (logits - log_z[..., None]).exp()
         entropy = log_z - (probs * logits).sum(-1)
     return log_probs, entropy.gather(1, batch.response_positions)
+
+
+@torch.no_grad()
+def score_rollout(model, batch: TrainBatch, micro_batch_size: int, temperature: float, autocast,
+                  with_logits: bool = False):
+    """The trainer's scoring pass: response log-probs (B, R), micro-batch by micro-batch.
+
+    `--true-on-policy-mode` runs this very function in the engine too, on the same batch layout,
+    so that both sides compute the same numbers with the same kernels, shapes and order.
+    """
+    log_probs, logits = [], []
+    for start in range(0, batch.rewards.numel(), micro_batch_size):
+        with autocast():
+            lp, rows = response_log_probs(model, batch.rows(start, start + micro_batch_size), temperature,
+                                          with_logits=with_logits)
+        log_probs.append(lp)
+        logits.append(rows)
+    return torch.cat(log_probs), (torch.cat(logits) if with_logits else None)

@@ -19,7 +19,7 @@ from miles.config import TrainConfig
 from miles.debug.determinism import model_digest
 from miles.utils.digest import digest, tensor_bytes
 from miles.train.advantages import ADVANTAGE_ESTIMATORS
-from miles.train.batch import TrainBatch, response_log_probs
+from miles.train.batch import TrainBatch, response_log_probs, score_rollout
 from miles.train.losses import KL_ESTIMATORS, aggregate, masked_mean, policy_loss, tis_weights
 from miles.utils.progress import Progress
 
@@ -35,6 +35,13 @@ class StepDiagnostics:
     recompute_max_diff: float  # max |log-prob in the first training forward - old_log_probs|
 
 
+def mixed_precision(precision: str, device_type: str):
+    """The trainer's compute context: bf16 autocast over fp32 master weights, or plain fp32."""
+    if precision != "bf16":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=torch.bfloat16)
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, model, ref_model, *, pad_token_id: int, precision: str,
                  record_hashes: bool = False):
@@ -43,26 +50,17 @@ class Trainer:
         self.ref_model = ref_model.eval() if ref_model is not None else None
         self.pad_token_id = pad_token_id
         self.device = next(model.parameters()).device
-        self.autocast_dtype = torch.bfloat16 if precision == "bf16" else None
+        self.precision = precision
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.diagnostics: StepDiagnostics | None = None
         self.record_hashes = record_hashes  # --debug-determinism: digests of the step's training side
         self.step_hashes: dict[str, str] = {}
 
-    def _autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+    def autocast(self):
+        return mixed_precision(self.precision, self.device.type)
 
-    @torch.no_grad()
     def _score(self, model, batch: TrainBatch) -> torch.Tensor:
-        """Log-probs (B, R) of the response tokens, micro-batch by micro-batch, no gradient."""
-        mbs, out = self.cfg.micro_batch_size, []
-        for start in range(0, batch.rewards.numel(), mbs):
-            with self._autocast():
-                logp, _ = response_log_probs(model, batch.rows(start, start + mbs), self.cfg.rollout_temperature)
-            out.append(logp)
-        return torch.cat(out)
+        return score_rollout(model, batch, self.cfg.micro_batch_size, self.cfg.rollout_temperature, self.autocast)[0]
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
         """Scores the rollout, then takes `num_steps_per_rollout` optimizer steps on it."""
@@ -125,7 +123,7 @@ class Trainer:
     def _micro_step(self, mb: TrainBatch, advantages, old_log_probs, ref_log_probs) -> dict[str, float]:
         """Forward + backward of one micro-batch. Returns its share of the step's metrics."""
         cfg, gbs = self.cfg, self.cfg.global_batch_size
-        with self._autocast():
+        with self.autocast():
             log_probs, entropy = response_log_probs(self.model, mb, cfg.rollout_temperature, with_entropy=True)
         out = {"recompute_max_diff": ((log_probs.detach() - old_log_probs).abs() * mb.mask).max().item()}
         pg, clipped, ppo_kl = policy_loss(log_probs, old_log_probs, advantages, mb.mask, eps_clip=cfg.eps_clip,

@@ -1,0 +1,80 @@
+"""`--true-on-policy-mode`: the engine samples from exactly the distribution the trainer computes.
+
+The engine decodes fast, with its KV cache, which computes slightly different numbers from the
+trainer's full forward (other shapes, other reduction orders). In this mode each rollout is then
+checked against the trainer's own computation: the engine runs `score_rollout` — the function the
+trainer scores with, on the same batch layout and micro-batches, with the same weights and
+autocast — and re-draws every response token from those probabilities with the token's own
+uniform number. Where a drawn token differs from the decoded one (a draw within rounding of a
+CDF boundary), the response is cut there, the drawn token is kept, and decoding resumes; the
+check repeats until every token agrees. The log-probs the engine reports are then the trainer's,
+bit for bit, and every token was sampled from exactly those probabilities: the rollout is
+on-policy by construction, not re-scored after the fact.
+
+Cost: one scoring pass of the rollout (plus one per round with a disagreement, rare in fp32).
+Top-p truncation would make the sampled distribution differ from the reported one, so this mode
+takes --rollout-top-p 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from miles.bridge.types import Sample
+from miles.config import SamplingParams
+from miles.rollout.engine import GenerationOutput, LocalEngine, sample_tokens
+from miles.train.batch import TrainBatch, score_rollout
+
+logger = logging.getLogger("miles")
+
+MAX_ROUNDS = 8
+
+
+class TrainerComputationVerifier:
+    def __init__(self, *, micro_batch_size: int, temperature: float, pad_token_id: int):
+        self.micro_batch_size = micro_batch_size
+        self.temperature = temperature
+        self.pad_token_id = pad_token_id
+        self.last_redrawn = 0  # tokens re-drawn in the last rollout (logged; a rate, not an error)
+
+    def verify(self, engine: LocalEngine, prompts: list[list[int]], outputs: list[GenerationOutput],
+               sampling: SamplingParams, uniforms: torch.Tensor) -> list[GenerationOutput]:
+        self.last_redrawn = 0
+        for _ in range(MAX_ROUNDS):
+            log_probs, logits = self._score(engine, prompts, outputs)
+            redo = {}
+            for i, out in enumerate(outputs):
+                n = len(out.token_ids)
+                drawn, _ = sample_tokens(logits[i, :n], sampling, uniforms[i, :n])
+                mismatch = (drawn.cpu() != torch.tensor(out.token_ids)).nonzero()
+                if len(mismatch):
+                    redo[i] = (int(mismatch[0]), int(drawn[int(mismatch[0])]))
+            if not redo:
+                return [dataclasses.replace(out, log_probs=log_probs[i, : len(out.token_ids)].tolist())
+                        for i, out in enumerate(outputs)]
+            self.last_redrawn += len(redo)
+            for i, (j, token) in redo.items():
+                outputs[i] = self._resume(engine, prompts[i], outputs[i].token_ids[:j] + [token], sampling, uniforms[i])
+        raise RuntimeError(f"true on-policy: engine and trainer still disagreed after {MAX_ROUNDS} rounds")
+
+    def _score(self, engine: LocalEngine, prompts, outputs):
+        """The trainer's scoring pass over the rollout as it stands (same layout as in training)."""
+        samples = [Sample(group_index=0, index=i, prompt="", tokens=p + o.token_ids, response_length=len(o.token_ids),
+                          loss_mask=[1] * len(o.token_ids)) for i, (p, o) in enumerate(zip(prompts, outputs))]
+        batch = TrainBatch.from_samples(samples, self.pad_token_id, engine.device)
+        return score_rollout(engine.model, batch, self.micro_batch_size, self.temperature, engine.autocast,
+                             with_logits=True)
+
+    @staticmethod
+    def _resume(engine: LocalEngine, prompt: list[int], prefix: list[int], sampling: SamplingParams,
+                uniforms: torch.Tensor) -> GenerationOutput:
+        """Decoding again after a re-drawn token; positions keep their own uniform numbers."""
+        stopped = prefix[-1] in engine.eos_token_ids
+        if stopped or len(prefix) == sampling.max_new_tokens:
+            return GenerationOutput(prefix, [0.0] * len(prefix), "stop" if stopped else "length")
+        rest = engine.decode([prompt + prefix], sampling, uniforms[None, len(prefix):])[0]
+        return GenerationOutput(prefix + rest.token_ids, [0.0] * (len(prefix) + len(rest.token_ids)),
+                                rest.finish_reason)

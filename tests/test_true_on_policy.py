@@ -1,0 +1,83 @@
+"""--true-on-policy-mode: the engine's log-probs are the trainer's, bit for bit, and every token was
+sampled from exactly those probabilities."""
+
+import pytest
+import torch
+
+from miles.config import SamplingParams
+from miles.rollout.engine import sample_tokens
+from miles.rollout.true_on_policy import TrainerComputationVerifier
+from miles.train.batch import TrainBatch, score_rollout
+from test_engine import make_engine
+from test_train import metrics, run
+
+
+def test_engine_and_trainer_log_probs_are_bitwise_equal(tiny_args):
+    rows = metrics(run(tiny_args, "--true-on-policy-mode", "--num-rollout", "3"))
+    for r in rows:
+        assert r["train/train_rollout_logprob_abs_diff"] == 0.0
+        assert r["forward_logp_max_diff"] == 0.0
+        assert "rollout/true_on_policy_redrawn" in r
+    # Without the mode the two computations differ in the last bits (fp32 rounding).
+    plain = metrics(run(tiny_args, "--num-rollout", "1", "--output-dir", str(tiny_args[-1]) + "_plain"))
+    assert 0 < plain[0]["forward_logp_max_diff"] < 1e-4
+
+
+def test_every_token_is_the_draw_from_the_reported_distribution(tiny_model):
+    engine, tok = make_engine(tiny_model)
+    verifier = TrainerComputationVerifier(micro_batch_size=4, temperature=1.0, pad_token_id=tok.pad_token_id)
+    engine.verifier = verifier
+    prompts = [tok(t)["input_ids"] for t in ("hello", "what is two plus two?", "x", "abc")] * 2
+    sampling = SamplingParams(16, 1.0, 1.0)
+    seeds = list(range(8))
+    outs = engine.generate(prompts, sampling, seeds)
+
+    # Recompute the trainer's numbers independently and redraw each token with its own uniform.
+    from miles.bridge.types import Sample
+
+    samples = [Sample(group_index=0, index=i, prompt="", tokens=p + o.token_ids, response_length=len(o.token_ids),
+                      loss_mask=[1] * len(o.token_ids)) for i, (p, o) in enumerate(zip(prompts, outs))]
+    trainer_model = make_engine(tiny_model)[0].model  # a separate copy of the same weights
+    batch = TrainBatch.from_samples(samples, tok.pad_token_id, "cpu")
+    log_probs, logits = score_rollout(trainer_model, batch, 4, 1.0, torch.no_grad, with_logits=True)
+    for i, (seed, out) in enumerate(zip(seeds, outs)):
+        n = len(out.token_ids)
+        assert out.log_probs == log_probs[i, :n].tolist()  # bitwise
+        u = torch.rand(16, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        drawn, _ = sample_tokens(logits[i, :n], sampling, u[:n])
+        assert drawn.tolist() == out.token_ids
+
+
+def test_a_disagreeing_token_is_redrawn_and_decoding_resumes(tiny_model, monkeypatch):
+    """Plant a disagreement: the KV-cache decode samples one token wrongly; the check must catch
+    it, keep the trainer-computation draw and decode on from there."""
+    from miles.rollout import engine as engine_module
+
+    engine, tok = make_engine(tiny_model)
+    engine.verifier = TrainerComputationVerifier(micro_batch_size=2, temperature=1.0, pad_token_id=tok.pad_token_id)
+    honest = engine.generate([tok("hello")["input_ids"]], SamplingParams(12, 1.0, 1.0), [5])[0]
+
+    original = engine_module.LocalEngine.decode
+    calls = []
+
+    def faulty(self, prompts, sampling, uniforms, on_step=None):
+        outs = original(self, prompts, sampling, uniforms, on_step)
+        if not calls:  # the first decode: corrupt token 3 of the response
+            outs[0].token_ids[3] = (outs[0].token_ids[3] + 1) % 90 + 4
+        calls.append(1)
+        return outs
+
+    monkeypatch.setattr(engine_module.LocalEngine, "decode", faulty)
+    fixed = engine.generate([tok("hello")["input_ids"]], SamplingParams(12, 1.0, 1.0), [5])[0]
+    assert engine.verifier.last_redrawn == 1 and len(calls) == 2
+    assert fixed.token_ids == honest.token_ids and fixed.log_probs == honest.log_probs
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--rollout-top-p", "0.9"], "--rollout-top-p 1"),
+])
+def test_true_on_policy_usage_errors(tiny_args, flags, words, capsys):
+    from miles.cli.main import main
+
+    assert main(tiny_args + ["--true-on-policy-mode", *flags]) == 2
+    assert words in capsys.readouterr().err
