@@ -121,3 +121,16 @@ def test_update_weights_copies_into_the_engine(tiny_model):
         assert torch.equal(a, b), name
     with pytest.raises(KeyError, match="no parameter named 'nope'"):
         engine.update_weights([("nope", torch.zeros(1))])
+
+
+def test_decode_limits_stop_each_row_at_its_budget(tiny_model):
+    engine, tok = make_engine(tiny_model)
+    prompts = [tok("hello")["input_ids"], tok("abc")["input_ids"]]
+    u = torch.rand(2, 10, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    outs = engine.decode(prompts, SamplingParams(10, 1.0, 1.0), u, limits=[3, 10])
+    assert len(outs[0].token_ids) <= 3 and len(outs[0].log_probs) == len(outs[0].token_ids)
+    if outs[0].finish_reason == "length":
+        assert len(outs[0].token_ids) == 3
+    # The limited row draws the same first tokens as it would with a full budget.
+    full = engine.decode(prompts, SamplingParams(10, 1.0, 1.0), u)
+    assert full[0].token_ids[: len(outs[0].token_ids)] == outs[0].token_ids

@@ -60,8 +60,8 @@ def test_a_disagreeing_token_is_redrawn_and_decoding_resumes(tiny_model, monkeyp
     original = engine_module.LocalEngine.decode
     calls = []
 
-    def faulty(self, prompts, sampling, uniforms, on_step=None):
-        outs = original(self, prompts, sampling, uniforms, on_step)
+    def faulty(self, prompts, sampling, uniforms, on_step=None, limits=None):
+        outs = original(self, prompts, sampling, uniforms, on_step, limits)
         if not calls:  # the first decode: corrupt token 3 of the response
             outs[0].token_ids[3] = (outs[0].token_ids[3] + 1) % 90 + 4
         calls.append(1)

@@ -156,8 +156,9 @@ class LocalEngine:
 
     @torch.no_grad()
     def decode(self, prompts: list[list[int]], sampling: SamplingParams, uniforms: torch.Tensor,
-               on_step: Callable[[int], None] | None = None) -> list[GenerationOutput]:
-        """The batched KV-cache decode loop; uniforms (B, T) drive the sampling, T new tokens at most."""
+               on_step: Callable[[int], None] | None = None, limits: list[int] | None = None) -> list[GenerationOutput]:
+        """The batched KV-cache decode loop; uniforms (B, T) drive the sampling; row i makes at most
+        limits[i] new tokens (default T)."""
         batch = len(prompts)
         input_ids, attention_mask = self._left_pad(prompts)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -169,6 +170,8 @@ class LocalEngine:
         tokens, log_probs, stopped = [], [], []
         next_pos = position_ids[:, -1:] + 1
         max_new_tokens = uniforms.shape[1]
+        limits = limits or [max_new_tokens] * batch
+        limit = torch.tensor(limits, device=self.device)
         for step in range(max_new_tokens):
             tok, logp = sample_tokens(logits, sampling, uniforms[:, step])
             tok = tok.masked_fill(done, self.pad_token_id)
@@ -176,7 +179,7 @@ class LocalEngine:
             log_probs.append(logp)
             hit_eos = torch.isin(tok, eos) & ~done
             stopped.append(hit_eos)
-            done |= hit_eos
+            done |= hit_eos | (limit <= step + 1)
             if on_step is not None:
                 on_step(step + 1)
             if bool(done.all()) or step + 1 == max_new_tokens:
@@ -184,7 +187,7 @@ class LocalEngine:
             attention_mask = torch.cat([attention_mask, (~done)[:, None].long()], dim=-1)
             logits = self._decode_step(tok[:, None], attention_mask, next_pos, cache)
             next_pos = next_pos + 1
-        return self._collect(torch.stack(tokens, 1), torch.stack(log_probs, 1), torch.stack(stopped, 1))
+        return self._collect(torch.stack(tokens, 1), torch.stack(log_probs, 1), torch.stack(stopped, 1), limits)
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)
@@ -206,10 +209,11 @@ class LocalEngine:
         return out.logits[:, -1]  # (B, V)
 
     @staticmethod
-    def _collect(tokens: torch.Tensor, log_probs: torch.Tensor, stopped: torch.Tensor) -> list[GenerationOutput]:
+    def _collect(tokens: torch.Tensor, log_probs: torch.Tensor, stopped: torch.Tensor,
+                 limits: list[int]) -> list[GenerationOutput]:
         """Cuts each row (B, steps) after its EOS token (kept: the model must learn to stop)."""
         outputs = []
-        for tok, logp, stop in zip(tokens.tolist(), log_probs.tolist(), stopped.tolist()):
-            end = stop.index(True) + 1 if True in stop else len(tok)
+        for tok, logp, stop, limit in zip(tokens.tolist(), log_probs.tolist(), stopped.tolist(), limits):
+            end = stop.index(True) + 1 if True in stop else min(len(tok), limit)
             outputs.append(GenerationOutput(tok[:end], logp[:end], "stop" if True in stop else "length"))
         return outputs

@@ -56,8 +56,8 @@ class TrainerComputationVerifier:
                 return [dataclasses.replace(out, log_probs=log_probs[i, : len(out.token_ids)].tolist())
                         for i, out in enumerate(outputs)]
             self.last_redrawn += len(redo)
-            for i, (j, token) in redo.items():
-                outputs[i] = self._resume(engine, prompts[i], outputs[i].token_ids[:j] + [token], sampling, uniforms[i])
+            prefixes = {i: outputs[i].token_ids[:j] + [token] for i, (j, token) in redo.items()}
+            outputs = self._resume(engine, prompts, outputs, prefixes, sampling, uniforms)
         raise RuntimeError(f"true on-policy: engine and trainer still disagreed after {MAX_ROUNDS} rounds")
 
     def _score(self, engine: LocalEngine, prompts, outputs):
@@ -69,12 +69,27 @@ class TrainerComputationVerifier:
                              with_logits=True)
 
     @staticmethod
-    def _resume(engine: LocalEngine, prompt: list[int], prefix: list[int], sampling: SamplingParams,
-                uniforms: torch.Tensor) -> GenerationOutput:
-        """Decoding again after a re-drawn token; positions keep their own uniform numbers."""
-        stopped = prefix[-1] in engine.eos_token_ids
-        if stopped or len(prefix) == sampling.max_new_tokens:
-            return GenerationOutput(prefix, [0.0] * len(prefix), "stop" if stopped else "length")
-        rest = engine.decode([prompt + prefix], sampling, uniforms[None, len(prefix):])[0]
-        return GenerationOutput(prefix + rest.token_ids, [0.0] * (len(prefix) + len(rest.token_ids)),
-                                rest.finish_reason)
+    def _resume(engine: LocalEngine, prompts, outputs, prefixes: dict[int, list[int]], sampling: SamplingParams,
+                uniforms: torch.Tensor) -> list[GenerationOutput]:
+        """Decodes on after each re-drawn token, all such rows in one batch; every position keeps
+        its own uniform number (the next check decides what stands)."""
+        outputs = list(outputs)
+        resume = []
+        for i, prefix in prefixes.items():
+            if prefix[-1] in engine.eos_token_ids or len(prefix) == sampling.max_new_tokens:
+                reason = "stop" if prefix[-1] in engine.eos_token_ids else "length"
+                outputs[i] = GenerationOutput(prefix, [0.0] * len(prefix), reason)
+            else:
+                resume.append(i)
+        if resume:
+            width = sampling.max_new_tokens - min(len(prefixes[i]) for i in resume)
+            rest_uniforms = torch.zeros(len(resume), width, dtype=uniforms.dtype)
+            for row, i in enumerate(resume):
+                left = uniforms[i, len(prefixes[i]):]
+                rest_uniforms[row, : len(left)] = left
+            rests = engine.decode([prompts[i] + prefixes[i] for i in resume], sampling, rest_uniforms,
+                                  limits=[sampling.max_new_tokens - len(prefixes[i]) for i in resume])
+            for i, rest in zip(resume, rests):
+                tokens = prefixes[i] + rest.token_ids
+                outputs[i] = GenerationOutput(tokens, [0.0] * len(tokens), rest.finish_reason)
+        return outputs
