@@ -30,8 +30,6 @@ from miles.train.batch import TrainBatch, score_rollout
 
 logger = logging.getLogger("miles")
 
-MAX_ROUNDS = 8
-
 
 class TrainerComputationVerifier:
     def __init__(self, *, micro_batch_size: int, temperature: float, pad_token_id: int):
@@ -43,7 +41,10 @@ class TrainerComputationVerifier:
     def verify(self, engine: LocalEngine, prompts: list[list[int]], outputs: list[GenerationOutput],
                sampling: SamplingParams, uniforms: torch.Tensor) -> list[GenerationOutput]:
         self.last_redrawn = 0
-        for _ in range(MAX_ROUNDS):
+        # Each round fixes at least the first disagreeing token of every row, so the agreed prefix
+        # grows by one a round; more rounds than tokens means the two computations are not stable.
+        rounds = sampling.max_new_tokens + 2
+        for _ in range(rounds):
             log_probs, logits = self._score(engine, prompts, outputs)
             redo = {}
             for i, out in enumerate(outputs):
@@ -58,7 +59,7 @@ class TrainerComputationVerifier:
             self.last_redrawn += len(redo)
             prefixes = {i: outputs[i].token_ids[:j] + [token] for i, (j, token) in redo.items()}
             outputs = self._resume(engine, prompts, outputs, prefixes, sampling, uniforms)
-        raise RuntimeError(f"true on-policy: engine and trainer still disagreed after {MAX_ROUNDS} rounds")
+        raise RuntimeError(f"true on-policy: engine and trainer still disagreed after {rounds} rounds")
 
     def _score(self, engine: LocalEngine, prompts, outputs):
         """The trainer's scoring pass over the rollout as it stands (same layout as in training)."""
