@@ -39,7 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()
         argv = sys.argv[1:] if argv is None else list(argv)
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # name the subcommand's help, not the top-level one
+            where = f"miles {args.command}" if args.command else "miles"
+            raise UsageError(f"unrecognized arguments: {' '.join(unknown)} (see `{where} --help`)")
         args.command_line = "miles " + shlex.join(argv)
         if args.command is None:
             parser.print_help()
