@@ -4,7 +4,6 @@ import gc
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
