@@ -268,3 +268,14 @@ def test_custom_non_numeric_return(rm_module):
     fn = load_custom_reward(f"{rm_module}:bad_return")
     with pytest.raises(UsageError, match="--custom-rm-path .*must return a number"):
         fn(sample("x", None))
+
+
+def test_custom_reward_that_raises_is_one_usage_error_naming_its_line(tmp_path, monkeypatch):
+    (tmp_path / "broken_rm.py").write_text("def rm(sample):\n    return 1 / 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = load_custom_reward("broken_rm:rm")
+    with pytest.raises(UsageError) as err:
+        fn(Sample(group_index=0, index=3, prompt="p", tokens=[], response="r", label="1"))
+    message = str(err.value)
+    assert "--custom-rm-path broken_rm:rm raised ZeroDivisionError" in message
+    assert "broken_rm.py:2" in message and "sample 3" in message and "\n" not in message

@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from miles.debug.rollout_dump import read_dump, samples_from_dump
 
     path = Path(args.path)
-    payload = read_dump(path)
+    payload = read_dump(path, source="inspect-rollout")
     metadata = payload.get("metadata") or {}
     n_per_prompt = int(metadata.get("n_samples_per_prompt") or 1)
     samples = samples_from_dump(payload, path, n_per_prompt)

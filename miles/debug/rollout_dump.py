@@ -47,11 +47,12 @@ def save_rollout(template: str, rollout_id: int, samples: list[Sample], metadata
     return path
 
 
-def read_dump(path: Path) -> dict[str, Any]:
-    """Loads one dump file; any failure is a UsageError naming the file."""
+def read_dump(path: Path, source: str = LOAD_FLAG) -> dict[str, Any]:
+    """Loads one dump file; any failure is a UsageError naming the file (and `source`, the flag
+    or command that asked for it)."""
     if not path.is_file():
-        raise UsageError(f"{LOAD_FLAG}: {path} does not exist; capture it first with --debug-rollout-only "
-                         f"--save-debug-rollout-data (or lower --num-rollout)")
+        raise UsageError(f"{source}: {path} does not exist; capture rollouts with --save-debug-rollout-data "
+                         f"(with --debug-rollout-only to skip training)")
     try:
         payload = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:  # truncated zip, garbage bytes, a pickle of arbitrary objects, ...

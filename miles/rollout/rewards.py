@@ -16,6 +16,7 @@ import inspect
 import os
 import re
 import sys
+import traceback
 from collections.abc import Callable
 from decimal import Decimal
 from fractions import Fraction
@@ -183,9 +184,14 @@ def load_custom_reward(path: str) -> RewardFn:
 
     @functools.wraps(fn)
     def reward(sample: Sample) -> float:
-        result = fn(sample)
-        if inspect.isawaitable(result):
-            result = _run_sync(result)
+        try:
+            result = fn(sample)
+            if inspect.isawaitable(result):
+                result = _run_sync(result)
+        except Exception as e:  # the user's function failed: say where, in one line
+            frame = traceback.extract_tb(e.__traceback__)[-1]
+            raise UsageError(f"--custom-rm-path {path} raised {type(e).__name__}: {e} (at {frame.filename}:"
+                             f"{frame.lineno}) on sample {sample.index}; fix the reward function") from e
         try:
             return float(result)
         except (TypeError, ValueError) as e:
