@@ -110,3 +110,17 @@ def test_max_prompt_len_dropping_everything_is_a_usage_error(tiny_model, prompt_
                         "--output-dir", str(tmp_path / "run")], capture_output=True, text=True)
     assert r.returncode == 2 and "--rollout-max-prompt-len 3 drops every prompt" in r.stderr
     assert "Loaded checkpoint" not in r.stdout  # caught before any model loaded
+
+
+def test_corrupt_weights_are_a_usage_error(tiny_model, prompt_file, tmp_path):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    (model / "model.safetensors").write_bytes(b"not a safetensors file")
+    r = subprocess.run([sys.executable, "-m", "miles", "train", "--hf-checkpoint", str(model), "--prompt-data",
+                        str(prompt_file), "--label-key", "label", "--output-dir", str(tmp_path / "run")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: cannot load a causal LM from {model}") and "--hf-checkpoint" in last

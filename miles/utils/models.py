@@ -86,7 +86,12 @@ def resolve_checkpoint(path: str | None) -> Path:
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise UsageError(f"cannot load a tokenizer from {path} ({reason}); the --hf-checkpoint dir needs the "
+                         f"tokenizer files") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -100,7 +105,12 @@ def load_causal_lm(path: str | Path, *, device: str, attention_backend: str, dty
     impl = _ATTN_IMPL[attention_backend]
     if impl == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise UsageError("--attention-backend flash needs the flash-attn package; use sdpa or eager")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=impl)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=impl)
+    except Exception as e:  # missing or corrupt weights, an unknown architecture: the path is at fault
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise UsageError(f"cannot load a causal LM from {path} ({reason}); check --hf-checkpoint / --load / "
+                         f"--ref-load") from None
     model.to(device)
     logger.info("Loaded checkpoint from %s", path)
     return model
