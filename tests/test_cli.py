@@ -61,6 +61,7 @@ def data_dir(tmp_path):
     (["--global-batch-size", "12"], ["--global-batch-size 12", "32"]),
     (["--micro-batch-size", "5"], ["--micro-batch-size 5", "--global-batch-size 32"]),
     (["--use-kl-loss"], ["--kl-loss-coef"]),
+    (["--n-samples-per-prompt", "1"], ["--n-samples-per-prompt >= 2", "reinforce_plus_plus"]),
     (["--hf-checkpoint", "{d}"], ["--hf-checkpoint", "no config.json"]),
     (["--load", "{d}/nowhere"], ["--load", "no such directory"]),
     (["--rm-type", "bogus"], ["--rm-type", "math"]),

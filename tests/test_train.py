@@ -1,6 +1,7 @@
 """End-to-end `miles train` runs on a tiny random model: files, metrics, learning, resume."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,9 @@ def test_wandb_offline_sink(tiny_args, tmp_path, monkeypatch):
     out = run(tiny_args, "--use-wandb", "--num-rollout", "1")
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+def test_reinforce_plus_plus_with_one_sample_per_prompt(tiny_args):
+    rows = metrics(run(tiny_args, "--advantage-estimator", "reinforce_plus_plus", "--n-samples-per-prompt", "1",
+                       "--rollout-batch-size", "8"))
+    assert all(math.isfinite(r["train/loss"]) and r["train/grad_norm"] > 0 for r in rows)

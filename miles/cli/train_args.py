@@ -145,6 +145,10 @@ def validate_train_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--micro-batch-size {args.micro_batch_size} must divide --global-batch-size {gbs}")
     if args.eps_clip_high is None:
         args.eps_clip_high = args.eps_clip
+    if args.advantage_estimator in ("grpo", "gspo") and args.n_samples_per_prompt < 2:
+        raise UsageError(f"--advantage-estimator {args.advantage_estimator} normalises rewards within a group: it "
+                         f"needs --n-samples-per-prompt >= 2 (got {args.n_samples_per_prompt}), or use "
+                         f"--advantage-estimator reinforce_plus_plus")
     if args.use_kl_loss and args.kl_loss_coef == 0:
         raise UsageError("--use-kl-loss needs --kl-loss-coef > 0 (a zero coefficient trains no KL)")
 
