@@ -22,7 +22,7 @@ from miles.bridge.types import Sample
 from miles.bridge.weight_sync import sync_weights
 from miles.config import ModelConfig, RolloutConfig, RunConfig, TrainConfig
 from miles.data.prompts import PromptData, PromptDataset
-from miles.errors import CheckFailed
+from miles.errors import CheckFailed, UsageError
 from miles.debug.alignment import CheckContext, report, run_checks
 from miles.debug.determinism import HashWriter, enable_deterministic_mode, rollout_hashes
 from miles.debug.print_rollout import log_rollout_samples
@@ -129,6 +129,9 @@ def build_components(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, train_c
 
     state = load_trainer_state(resume) if resume is not None else None
     start_step = state["step"] if state is not None else 0
+    if start_step >= run_cfg.num_rollout:
+        raise UsageError(f"--load {run_cfg.load}: the checkpoint is at step {start_step}, so --num-rollout "
+                         f"{run_cfg.num_rollout} leaves nothing to do; --num-rollout counts from step 1")
 
     engine = dataset = None
     if run_cfg.load_debug_rollout_data:

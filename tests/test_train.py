@@ -75,6 +75,7 @@ def test_resume_continues_the_step_count_and_the_run(tiny_args, tmp_path):
     resumed = metrics(resumed_dir)
     assert [r["step"] for r in resumed] == [3]
     assert "Resuming after step 2" in (resumed_dir / "train.log").read_text()
+    assert main(tiny_args + ["--load", str(first / "checkpoints"), "--output-dir", str(tmp_path / "nothing")]) == 2
     # Weights, optimizer state and data position all carried over: step 3 is the same step 3.
     for key in ("rollout/reward_mean", "train/loss", "train/grad_norm", "rollout/log_probs"):
         assert resumed[0][key] == pytest.approx(full[2][key], rel=1e-5, abs=1e-7), key
