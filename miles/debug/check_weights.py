@@ -114,10 +114,10 @@ class WeightSet:
 
 def digest(t) -> str:
     """sha256 of dtype, shape and raw bytes: equal digests mean bit-identical tensors."""
-    import torch
+    from miles.utils.digest import tensor_bytes
 
     h = hashlib.sha256(f"{t.dtype}{list(t.shape)}".encode())
-    h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    h.update(tensor_bytes(t))
     return h.hexdigest()
 
 

@@ -242,12 +242,12 @@ def logprob_scatter(run_dir: Path, config: dict, args, notes: list[str]) -> tupl
 
 
 def score(weights: Path, samples, meta: dict, config: dict) -> tuple[list[float], list[float]]:
-    """Engine and trainer log-probs of every trained response token, computed as the trainer does."""
-    import contextlib
-
+    """Engine and trainer log-probs of every trained response token, computed as the trainer does
+    (its own scoring pass, `score_rollout`, at the run's micro-batch size and precision)."""
     import torch
 
-    from miles.train.batch import TrainBatch, response_log_probs
+    from miles.train.batch import TrainBatch, score_rollout
+    from miles.train.trainer import mixed_precision
     from miles.utils.models import load_causal_lm, load_tokenizer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -258,17 +258,12 @@ def score(weights: Path, samples, meta: dict, config: dict) -> tuple[list[float]
                          f"pass the model the run was trained from")
     pad = load_tokenizer(weights).pad_token_id or 0
     temperature = float(meta.get("temperature") or config.get("rollout_temperature") or 1.0)
-    bf16 = (meta.get("precision") or config.get("precision")) == "bf16"  # the trainer's autocast
-    engine, trainer = [], []
-    for start in range(0, len(samples), 8):
-        batch = TrainBatch.from_samples(samples[start:start + 8], pad, device)
-        amp = torch.autocast(device, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-        with torch.no_grad(), amp:
-            logp, _ = response_log_probs(model, batch, temperature)
-        keep = batch.mask.bool()
-        engine += batch.rollout_log_probs[keep].tolist()
-        trainer += logp.float()[keep].tolist()
-    return engine, trainer
+    precision = meta.get("precision") or config.get("precision") or "fp32"
+    batch = TrainBatch.from_samples(samples, pad, device)
+    logp, _ = score_rollout(model, batch, int(config.get("micro_batch_size") or 8), temperature,
+                            lambda: mixed_precision(precision, device))
+    keep = batch.mask.bool()
+    return batch.rollout_log_probs[keep].tolist(), logp.float()[keep].tolist()
 
 
 def render_html(run_dir: Path, rows: list[dict], config: dict, figures, notes: list[str]) -> str:

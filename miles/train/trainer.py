@@ -67,8 +67,8 @@ class Trainer:
         batch = TrainBatch.from_samples(samples, self.pad_token_id, self.device)
         old_log_probs = self._score(self.model, batch)
         ref_log_probs = self._score(self.ref_model, batch) if self.ref_model is not None else None
-        metrics = score_metrics(batch, old_log_probs, ref_log_probs, self.cfg.kl_loss_type)
         kl = KL_ESTIMATORS[self.cfg.kl_loss_type](old_log_probs, ref_log_probs) if ref_log_probs is not None else None
+        metrics = score_metrics(batch, old_log_probs, ref_log_probs, kl)
         advantages = ADVANTAGE_ESTIMATORS[self.cfg.advantage_estimator](
             batch.rewards, kl, batch.mask, group_size=self.cfg.n_samples_per_prompt, kl_coef=self.cfg.kl_coef)
         metrics["rollout/advantages"] = masked_mean(advantages, batch.mask).item()
@@ -157,7 +157,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
 
 
-def score_metrics(batch: TrainBatch, old_log_probs, ref_log_probs, kl_type: str) -> dict[str, float]:
+def score_metrics(batch: TrainBatch, old_log_probs, ref_log_probs, kl) -> dict[str, float]:
     """The rollout's log-prob metrics: trainer, reference, and the trainer/engine mismatch."""
     mask = batch.mask
     metrics = {"rollout/log_probs": masked_mean(old_log_probs, mask).item()}
@@ -167,5 +167,5 @@ def score_metrics(batch: TrainBatch, old_log_probs, ref_log_probs, kl_type: str)
         metrics["forward_logp_max_diff"] = logp_diff.max().item()
     if ref_log_probs is not None:
         metrics["rollout/ref_log_probs"] = masked_mean(ref_log_probs, mask).item()
-        metrics["rollout/kl"] = masked_mean(KL_ESTIMATORS[kl_type](old_log_probs, ref_log_probs), mask).item()
+        metrics["rollout/kl"] = masked_mean(kl, mask).item()
     return metrics
