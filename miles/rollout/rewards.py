@@ -1,9 +1,33 @@
 """Reward functions: turn a finished `Sample` into a float, with no torch and no side effects.
 
-`--rm-type NAME` picks a function from `REWARD_FUNCTIONS`; `--custom-rm-path module.path:function`
-loads a user function instead (plain or `async def`). To add a built-in reward, write a function
-`(sample) -> float` in this file and decorate it with `@register_reward("name")`; it then becomes
-a valid `--rm-type`.
+`--rm-type NAME` picks a function from `REWARD_FUNCTIONS` (its names are `RM_TYPES`);
+`--custom-rm-path module.path:function` loads a user function instead (plain or `async def`). To
+add a built-in reward, write a function `(sample) -> float` in this file and decorate it with
+`@register_reward("name")`; it then becomes a valid `--rm-type`.
+
+Built-in rewards. A label (`sample.label`) may be a GSM8K solution (its answer follows the
+last `####`), a MATH solution (its answer is its last `\\boxed{}`) or the answer itself: "72",
+"1,234", "0.5", "2\\sqrt{2}", "(1,2)", "[-2,3)", "x^2+1", "\\text{(C)}". A missing label scores 0.
+
+- `math`: 1.0 right, 0.0 wrong. A plain-number label (`#### 72`, "-3", "1{,}234", "\\frac{1}{2}",
+  "6.02e23", "25\\%") takes the fast path: the response's final answer is the last `\\boxed{}`, else
+  a `#### N` line, else what follows the last "answer is" / "Answer:", else the final sentence
+  with a number in it; the number it states is compared with the label as an exact rational.
+  A boxed or LaTeX answer that is not a plain number ("2^{10}") goes to math-verify; a sentence
+  that states several numbers and no result scores 0. Any other label goes to math-verify, which
+  finds the answer anywhere in the response and checks mathematical equivalence.
+- `math_verify`: 1.0 / 0.0. math-verify alone on the whole response, any answer format (box,
+  "final answer is", LaTeX, a plain expression, a letter choice); no fast path.
+- `deepscaler`: 1.0 / 0.0. DeepScaleR's convention: the answer is the last `\\boxed{}` of the
+  response (of the part after `</think>` when there is one); no box scores 0.
+- `dapo`: 1.0 right, -1.0 otherwise, as DAPO: the answer is the rest of the line after the last
+  "Answer:"; a response without one scores -1. Values are compared as in `math`, not as strings.
+- `exact`: 1.0 / 0.0. The response, stripped, equals the label, stripped.
+
+math-verify (sympy underneath) runs in worker processes with a deadline of VERIFY_TIMEOUT_S per
+sample: a pathological answer (`\\boxed{9^{9^{9^{9}}}}`) scores 0 with one warning instead of
+hanging the run, whichever thread calls the reward. It is imported only there, so importing this
+module stays cheap.
 """
 
 from __future__ import annotations
@@ -13,19 +37,31 @@ import concurrent.futures
 import functools
 import importlib
 import inspect
+import json
+import logging
 import os
+import queue
 import re
+import select
+import subprocess
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable
-from decimal import Decimal
 from fractions import Fraction
+from pathlib import Path
+from typing import NamedTuple
 
 from miles.bridge.types import Sample
 from miles.errors import UsageError
 
+logger = logging.getLogger("miles")
+
 RewardFn = Callable[[Sample], float]
 REWARD_FUNCTIONS: dict[str, RewardFn] = {}
+
+VERIFY_TIMEOUT_S = 5.0  # per sample, for math-verify's parse + verify; over it the sample scores 0
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -39,55 +75,111 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     return decorator
 
 
-# ---------------------------------------------------------------------------- answer extraction
+# ------------------------------------------------------------------------------- reading numbers
 
-_NUM = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+"  # 1,234.5 before 1234 so commas bind
-# Fractions come first in the alternation so "1/2" is one match, not "1" then "2". A minus sign
-# only counts when it does not follow a word character: "5-3" is 5 and 3, not 5 and -3.
-_VALUE = re.compile(
-    rf"(?<![\w.])(?:(?P<fsign>-?)\\d?frac\{{(?P<fnum>{_NUM})\}}\{{(?P<fden>{_NUM})\}}"
-    rf"|(?P<num>{_NUM})\s*/\s*(?P<den>{_NUM})(?![\d.])"
-    rf"|(?P<plain>{_NUM}))"
-)
-_ANSWER_IS = re.compile(r"answer\s*(?:is|:|=)\s*:?\s*([^\n]*)", re.IGNORECASE)
-_BOXED_NOISE = re.compile(r"\\text\{[^{}]*\}|\\mbox\{[^{}]*\}|\^\{?\\circ\}?|\\[$%!,;]|[$%\s]")
+# 1,234.5 and 1 000 000 before 1234 so separators bind; exponents are capped at 3 digits so that
+# "1e999999999" cannot make Fraction build a billion-digit integer.
+_N = r"(?:\d{1,3}(?:,\d{3})+|\d{1,3}(?: \d{3})+|\d+)(?:\.\d+)?(?:[eE][+-]?\d{1,3})?|\.\d+"
+# A number or a fraction of numbers; a minus sign only counts when it does not follow a word
+# character ("5-3" is 5 and 3), and a number never starts inside a word ("x2", "e23").
+_NUMBER = re.compile(rf"(?<![\w.])(?P<a>-?(?:{_N}))(?:\s*/\s*(?P<b>{_N}))?(?![\w])")
+_OPERATOR_NEXT = re.compile(r"\s*(?:[-+*/×÷^=]|\\times|\\cdot|\\div|x\s*\d)")
+_RESULT_WORD = re.compile(r"\b(?:is|are|was|were|equals)\b", re.IGNORECASE)
 
-
-def _canonical(value: Fraction) -> str:
-    if value.denominator == 1:
-        return str(value.numerator)
-    d = value.denominator
-    while d % 2 == 0:
-        d //= 2
-    while d % 5 == 0:
-        d //= 5
-    if d == 1:  # terminating decimal: "0.5" reads better than "1/2" and is what labels use
-        text = format((Decimal(value.numerator) / Decimal(value.denominator)).normalize(), "f")
-        if Fraction(text) == value:  # Decimal rounds past 28 digits; keep exactness over looks
-            return text
-    return f"{value.numerator}/{value.denominator}"
+# Notation that does not change a number's value, rewritten to the plain form _NUMBER reads.
+_NOTATION = [
+    (re.compile(r"\\[dt]?frac\{\s*(-?[\d.,]+)\s*\}\{\s*([\d.,]+)\s*\}"), r"\1/\2"),  # \frac{1}{2}
+    (re.compile(r"\\[dt]?frac(\d)(\d)"), r"\1/\2"),  # \frac12
+    (re.compile(r"(\d)\s*(?:\\times|\\cdot|×|\*)\s*10\s*\^\s*\{?\s*([+-]?\d{1,3})\s*\}?"), r"\1e\2"),
+    (re.compile(r"\\(?:text|textbf|mbox|mathrm)\{[^{}]*\}(?:\s*\^\s*\{?\d\}?)?"), " "),  # units, cm^2
+    (re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\\circ|°"), ""),  # degrees
+    (re.compile(r"\{,\}"), ","),  # 1{,}234
+    (re.compile(r"\\[,!;: ]"), ""),  # LaTeX spaces: 1\,000\,000
+    (re.compile(r"\\%"), "%"),
+    (re.compile(r"\\\$|\$|\\[()\[\]]|\\left|\\right|\*\*"), " "),  # $, math delimiters, bold
+]
 
 
-def _value(m: re.Match[str]) -> str | None:
-    def num(s: str) -> Fraction:
-        return Fraction(s.replace(",", ""))
+def _rewrite(text: str, rules: list[tuple[re.Pattern[str], str]]) -> str:
+    for pattern, repl in rules:
+        text = pattern.sub(repl, text)
+    return text
+
+
+def _plain_text(text: str) -> str:
+    return _rewrite(text.replace("\u2212", "-"), _NOTATION)  # U+2212 is the minus sign of model output
+
+
+def _fraction(m: re.Match[str]) -> Fraction | None:
+    def value(s: str) -> Fraction:
+        return Fraction(s.replace(",", "").replace(" ", ""))
 
     try:
-        if m["fnum"] is not None:
-            v = num(m["fnum"]) / num(m["fden"])
-            return _canonical(-v if m["fsign"] else v)
-        if m["num"] is not None:
-            return _canonical(num(m["num"]) / num(m["den"]))
-        return _canonical(num(m["plain"]))
-    except ZeroDivisionError:
+        return value(m["a"]) / value(m["b"]) if m["b"] else value(m["a"])
+    except (ZeroDivisionError, ValueError):  # 1/0, or past Python's 4300-digit int limit
         return None
+
+
+def _plain_number(text: str) -> Fraction | None:
+    """The value of text that is exactly one number ("1,234", "-\\frac{1}{3}", "25\\%"), else None."""
+    m = _NUMBER.fullmatch(_plain_text(text).strip().rstrip(".%").strip())
+    return _fraction(m) if m else None
+
+
+def _leading_number(text: str) -> Fraction | None:
+    # "7, not 8" states 7; "5 + 3 = 8" does not state 5.
+    m = _NUMBER.match(text.lstrip())
+    if m is None or _OPERATOR_NEXT.match(text.lstrip()[m.end() :]):
+        return None
+    return _fraction(m)
+
+
+def _stated_number(text: str) -> Fraction | None:
+    """The one number that answer text states, or None when it states none or several.
+
+    Tried in order: a number it starts with ("72 clips"), the number after its last "=" ("5 + 3 =
+    8"), the number after its last "is" ("the sum of 3 and 4, which is 7"), its only number.
+    """
+    text = _plain_text(text)
+    for tail in (text, text.rpartition("=")[2], _RESULT_WORD.split(text)[-1]):
+        if (value := _leading_number(tail)) is not None:
+            return value
+    numbers = list(_NUMBER.finditer(text))
+    return _fraction(numbers[0]) if len(numbers) == 1 else None
+
+
+# ------------------------------------------------------------------------------ finding answers
+
+
+class _Answer(NamedTuple):
+    text: str  # the answer as written: box content, a line or a sentence
+    kind: str  # "boxed", "####", "answer" (after "answer is") or "sentence" (no marker at all)
+
+    def for_math_verify(self) -> str:
+        return f"\\boxed{{{self.text}}}" if self.kind == "boxed" else self.text
+
+    def is_math(self) -> bool:
+        """Whether math-verify may read it: a box, or LaTeX after a marker (not plain words)."""
+        return self.kind == "boxed" or (self.kind != "sentence" and re.search(r"[\\^{]", self.text) is not None)
+
+
+# Numbers that are not answers, blanked before the answer is looked for.
+_NOT_ANSWERS = [
+    (re.compile(r"<<[^<>\n]*>>"), " "),  # GSM8K calculator annotations: <<48/2=24>>
+    (re.compile(r"\bstep\s*\d+", re.IGNORECASE), " "),  # "#### Step 2:" headings
+    (re.compile(r"(?m)^([ \t]*#*[ \t]*)\d+[.)](?=[ \t]+[A-Za-z])"), r"\1"),  # "#### 2. Add them"
+]
+_GSM8K_LINE = re.compile(r"(?m)^[ \t]*####[ \t]*(.*?)[ \t]*$")
+_ANSWER_IS = re.compile(r"\banswer(?:\*\*)?\s*(?:is\b|:|=)\s*:?(?:\*\*)?\s*([^\n]*)", re.IGNORECASE)
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
+_BOXED = "\\boxed{"
 
 
 def _last_boxed(text: str) -> str | None:
-    start = text.rfind("\\boxed{")
+    start = text.rfind(_BOXED)
     if start < 0:
         return None
-    depth, i = 0, start + len("\\boxed")
+    depth, i = 0, start + len(_BOXED) - 1
     # Walk braces by hand: a regex cannot match the nesting in \boxed{\frac{1}{2}}.
     for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
@@ -96,33 +188,180 @@ def _last_boxed(text: str) -> str | None:
     return None  # unclosed: the response was truncated mid-answer
 
 
+def _final_answer(text: str) -> _Answer | None:
+    if _BOXED in text:  # a truncated box is no answer, whatever numbers precede it
+        boxed = _last_boxed(text)
+        return _Answer(boxed, "boxed") if boxed is not None else None
+    text = _rewrite(text, _NOT_ANSWERS)
+    lines = [line for line in _GSM8K_LINE.findall(text) if _plain_number(line) is not None]
+    if lines:
+        return _Answer(lines[-1], "####")
+    if clauses := _ANSWER_IS.findall(text):
+        return _Answer(clauses[-1], "answer")
+    sentences = [s for s in _SENTENCE_END.split(text) if re.search(r"\d", s)]
+    return _Answer(sentences[-1], "sentence") if sentences else None
+
+
 def extract_answer(text: str) -> str | None:
-    """The final answer in a response or label as a canonical string ("72", "-3", "0.5", "1/3").
+    """The final answer of a response as written, by the `math` reward's conventions; None if none.
 
-    Looks, in order, for the last \\boxed{...}, a GSM8K "#### N", "answer is N" / "Answer: N",
-    then the last number anywhere. None when there is no answer.
+    The content of the last `\\boxed{}`, else the last `#### N` line, else what follows the last
+    "answer is" / "Answer:", else the last sentence with a digit. A truncated box is no answer.
     """
-    text = text.replace("\u2212", "-")  # unicode minus, common in model output
-    boxed = _last_boxed(text)
-    if boxed is not None:
-        content = _BOXED_NOISE.sub("", boxed).rstrip(".").split("=")[-1]
-        m = _VALUE.fullmatch(content)
-        # A non-numeric box ("A", "3\sqrt{2}") stays as text: digging a number out of it would
-        # reward answers that merely contain the right digit.
-        return (_value(m) if m else content) or None
-    for marker in (re.compile(r"####\s*([^\n]*)"), _ANSWER_IS):
-        spans = marker.findall(text)
-        if spans and (m := _VALUE.search(spans[-1])):
-            return _value(m)
-    matches = list(_VALUE.finditer(text))
-    return _value(matches[-1]) if matches else None
+    answer = _final_answer(text)
+    return answer.text if answer else None
 
 
-def _as_fraction(answer: str) -> Fraction | None:
-    try:
-        return Fraction(answer)
-    except (ValueError, ZeroDivisionError):
+def has_answer(text: str) -> bool:
+    """Whether the `math` reward finds a final answer in the response at all."""
+    return extract_answer(text) is not None
+
+
+def _gold_answer(label: object) -> str | None:
+    if label is None:
         return None
+    text = str(label).strip()
+    if "####" in text:  # a GSM8K solution
+        text = text.rpartition("####")[2]
+    elif (boxed := _last_boxed(text)) is not None:  # a MATH solution
+        text = boxed
+    return text.strip() or None
+
+
+def _matches(gold: str, answer: _Answer, sample: Sample) -> bool:
+    """Whether a located answer equals the gold answer: exact rationals for numbers, else math-verify."""
+    want = _plain_number(gold)
+    if want is not None:
+        got = _stated_number(answer.text)
+        if got is not None:
+            # Exact rational comparison: float == would call 0.1 + 0.2 wrong and 1e17 + 1 right.
+            return got == want
+        if not answer.is_math():  # words that state several numbers and no result
+            return False
+    return _verify(gold, answer.for_math_verify(), sample)
+
+
+# ---------------------------------------------------------------------- math-verify, in workers
+
+_LETTER = re.compile(r"\s*(?:\\text(?:bf)?\{)?\s*\(?([A-E])\)?\s*\}?\s*")
+_E_NOTATION = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)[eE]([+-]?\d+)(?![\w.])")
+
+
+def _math_verify_equal(gold: str, pred: str) -> bool:
+    """math-verify's verdict on `pred` (a response, or one answer of it) against the gold answer.
+
+    Runs in a worker (see `_serve`): the gold is parsed as one boxed answer, the prediction with
+    the box first, then "final answer is", LaTeX and plain expressions; a letter gold ("B",
+    "\\text{(C)}") also reads a letter after "answer". Math-verify's own signal-based timeouts are
+    off: they only work in the main thread, and the worker's deadline replaces them.
+    """
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, StringExtractionConfig, parse, verify
+
+    pred_config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+    if letter := _LETTER.fullmatch(gold):
+        gold = letter[1]
+        pred = re.sub(r"\(([A-E])\)", r" \1", pred)  # "(B)" is B; math-verify wants a bare letter
+        strings = StringExtractionConfig(strings=tuple("ABCDE"), try_extract_without_anchor=False, lowercase=False)
+        pred_config.append(strings)
+    # math-verify reads 6.02e23 as 6.02 * Euler's e * 23.
+    gold, pred = (_E_NOTATION.sub(r"\1\\times10^{\2}", s.replace("\u2212", "-")) for s in (gold, pred))
+    gold_parsed = parse(f"\\boxed{{{gold}}}", [LatexExtractionConfig(), ExprExtractionConfig()], parsing_timeout=None)
+    pred_parsed = parse(pred, pred_config, parsing_timeout=None)
+    return bool(gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=None))
+
+
+def _serve() -> None:
+    """A worker's loop: one JSON [gold, pred, seconds] line in, one "1"/"0" line out, until EOF."""
+    import resource
+
+    out = os.fdopen(os.dup(1), "w")  # the reply channel; anything a library prints goes to stderr
+    os.dup2(2, 1)
+    logging.disable(logging.WARNING)  # math-verify warns that its timeouts are off: ours replace them
+    _math_verify_equal("\\frac{1}{2}", "0.5")  # loads sympy and the LaTeX parser, so deadlines cover only work
+    out.write("ready\n")
+    out.flush()
+    for line in sys.stdin:
+        gold, pred, seconds = json.loads(line)
+        # The parent kills a worker that misses its deadline; should the parent be gone, the kernel
+        # does it (SIGXCPU) once this request has used its seconds of CPU time and a second or two.
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+        soft = int(usage.ru_utime + usage.ru_stime + seconds) + 2
+        resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+        try:
+            verdict = _math_verify_equal(gold, pred)
+        except Exception:  # a parse that sympy cannot handle is a wrong answer, not a crash
+            verdict = False
+        out.write("1\n" if verdict else "0\n")
+        out.flush()
+
+
+class _Worker:
+    """One child process running `_serve`; it is killed, not reused, when it misses a deadline."""
+
+    START_TIMEOUT_S = 120.0  # importing sympy on a busy node can take a while
+
+    def __init__(self) -> None:
+        root = str(Path(__file__).resolve().parents[2])  # the directory that holds this `miles/`
+        code = f"import sys; sys.path.insert(0, {root!r}); from miles.rollout.rewards import _serve; _serve()"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._buffer = b""  # read with os.read, past the pipe's own buffer, so select sees all
+        try:
+            while self._read_line(self.START_TIMEOUT_S) != "ready":  # skip whatever startup printed
+                pass
+        except (TimeoutError, EOFError) as e:
+            self.kill()
+            raise RuntimeError("the math-verify worker did not start (its error is above); "
+                               "install it with pip install 'math-verify>=0.8'") from e
+
+    def _read_line(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+                raise TimeoutError
+            chunk = os.read(self.proc.stdout.fileno(), 4096)
+            if not chunk:
+                raise EOFError("the math-verify worker exited")
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line.decode()
+
+    def equal(self, gold: str, pred: str, timeout: float) -> bool:
+        self.proc.stdin.write(json.dumps([gold, pred, timeout]).encode() + b"\n")
+        self.proc.stdin.flush()
+        return self._read_line(timeout) == "1"
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+_MAX_WORKERS = min(4, os.cpu_count() or 1)
+_worker_slots = threading.BoundedSemaphore(_MAX_WORKERS)  # each slot: one worker, busy or idle
+_idle_workers: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
+
+
+def _verify(gold: str, pred: str, sample: Sample) -> bool:
+    """math-verify's verdict within VERIFY_TIMEOUT_S; a miss (or a dead worker) is a wrong answer."""
+    with _worker_slots:
+        try:
+            worker = _idle_workers.get_nowait()
+        except queue.Empty:
+            worker = _Worker()
+        try:
+            verdict = worker.equal(gold, pred, VERIFY_TIMEOUT_S)
+        except (TimeoutError, EOFError, OSError) as e:
+            worker.kill()
+            what = f"no verdict within {VERIFY_TIMEOUT_S:g} s" if isinstance(e, TimeoutError) else "its worker died"
+            logger.warning("reward: math-verify gave %s on sample %s (answer of %d chars); scored 0",
+                           what, sample.index, len(pred))
+            return False
+        except BaseException:  # Ctrl-C mid-answer: the worker may be stuck, do not leave it behind
+            worker.kill()
+            raise
+        _idle_workers.put(worker)
+        return verdict
 
 
 # ------------------------------------------------------------------------------ built-in rewards
@@ -130,16 +369,38 @@ def _as_fraction(answer: str) -> Fraction | None:
 
 @register_reward("math")
 def math_reward(sample: Sample) -> float:
-    if sample.label is None:
+    gold = _gold_answer(sample.label)
+    if gold is None:
         return 0.0
-    got, want = extract_answer(sample.response), extract_answer(str(sample.label))
-    if got is None or want is None:
+    if _plain_number(gold) is None:  # a symbolic label: math-verify finds and compares the answer
+        return float(_verify(gold, sample.response, sample))
+    answer = _final_answer(sample.response)
+    return float(answer is not None and _matches(gold, answer, sample))
+
+
+@register_reward("math_verify")
+def math_verify_reward(sample: Sample) -> float:
+    gold = _gold_answer(sample.label)
+    return float(gold is not None and _verify(gold, sample.response, sample))
+
+
+@register_reward("deepscaler")
+def deepscaler_reward(sample: Sample) -> float:
+    gold = _gold_answer(sample.label)
+    boxed = _last_boxed(sample.response.rpartition("</think>")[2])  # the box of the thinking does not count
+    return float(gold is not None and boxed is not None and _matches(gold, _Answer(boxed, "boxed"), sample))
+
+
+_DAPO_ANSWER = re.compile(r"answer\s*:\s*([^\n]+)", re.IGNORECASE)
+
+
+@register_reward("dapo")
+def dapo_reward(sample: Sample) -> float:
+    gold = _gold_answer(sample.label)
+    if gold is None:
         return 0.0
-    a, b = _as_fraction(got), _as_fraction(want)
-    # Exact rational comparison: float == would call 0.1 + 0.2 wrong and 1e17 + 1 right.
-    if a is not None and b is not None:
-        return float(a == b)
-    return float(got == want)
+    lines = _DAPO_ANSWER.findall(sample.response)
+    return 1.0 if lines and _matches(gold, _Answer(lines[-1].strip(), "answer"), sample) else -1.0
 
 
 @register_reward("exact")
@@ -147,6 +408,9 @@ def exact_reward(sample: Sample) -> float:
     if sample.label is None:  # otherwise a response "None" would match a missing label
         return 0.0
     return float(sample.response.strip() == str(sample.label).strip())
+
+
+RM_TYPES: tuple[str, ...] = tuple(REWARD_FUNCTIONS)  # the --rm-type names, for the CLI's --help
 
 
 # ---------------------------------------------------------------------------- custom and lookup
