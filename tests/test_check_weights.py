@@ -123,6 +123,53 @@ def test_layer_offset(four_layers, tmp_path, capsys):
     assert "layer offset +1 for layers 0..3" in out and "only in" not in out and "unmatched" not in out
 
 
+
+def test_layer_offset_onto_layers_that_are_also_in_place(four_layers, tmp_path, capsys):
+    a = load(four_layers)
+    # B's 0..1 are A's 0..1 (in place) and B's 2..3 are A's 0..1 again; A's 2..3 are gone.
+    copies = {k: v.clone() for k, v in a.items() if k.startswith(("model.layers.0.", "model.layers.1."))}
+    b = {**a, **shift(copies, {0: 2, 1: 3})}
+    rc, out = check(capsys, four_layers, save(tmp_path / "b", b))
+    assert rc == 3
+    assert "layer offset +2 for layers 0..1 of model.layers (B's layer k+2 holds A's layer k)" in out
+    assert "layer 2 of A matches no layer of B (model.layers)" in out and "layer 3 of A matches" in out
+    assert ("model.layers.2.self_attn.q_proj.weight: values differ (A float32 [64, 64], B float32 [64, 64], "
+            "max abs diff") in out
+    assert "; consequence of the layer offset: B's layer 2 holds A's layer 0" in out
+    rc, out = check(capsys, four_layers, tmp_path / "b", "--json")
+    report = json.loads(out)
+    assert report["layer_offsets"] == [{"stack": "model.layers", "offset": 2, "first": 0, "last": 1}]
+    assert {f["consequence_of_offset"]["b_layer"] for f in report["values_differ"]} == {2, 3}
+
+
+def test_no_offsets_from_layers_that_share_tensors(four_layers, tmp_path, capsys):
+    a = load(four_layers)
+    norm = "model.layers.{}.input_layernorm.weight"
+    assert all(a[norm.format(k)].eq(1).all() for k in range(4))  # a fresh model: every norm is all ones
+    rc, out = check(capsys, four_layers, save(tmp_path / "same", dict(a)))
+    assert rc == 0 and "layer offset" not in out, out
+    # Layers 0..2 share their norms (layer 3's are scaled); one linear of layer 1 changes.
+    a[norm.format(3)] = a[norm.format(3)] * 2
+    b = {**a, "model.layers.1.mlp.up_proj.weight": a["model.layers.1.mlp.up_proj.weight"] + 1}
+    rc, out = check(capsys, save(tmp_path / "a", a), save(tmp_path / "b", b))
+    assert rc == 3
+    assert "layer offset" not in out and "unmatched" not in out and "consequence" not in out, out
+    assert "Weights differ: values differ: 1;" in out
+
+
+def test_no_offsets_from_identical_layers(four_layers, tmp_path, capsys):
+    # Every layer the same (identical init): B's extra layer 4 could be any of them.
+    a = {k: v for k, v in load(four_layers).items() if not k.startswith("model.layers.")}
+    layer0 = {k.removeprefix("model.layers.0."): v for k, v in load(four_layers).items()
+              if k.startswith("model.layers.0.")}
+    a.update({f"model.layers.{i}.{n}": v.clone() for i in range(4) for n, v in layer0.items()})
+    b = {**a, **{f"model.layers.4.{n}": v.clone() for n, v in layer0.items()}}
+    rc, out = check(capsys, save(tmp_path / "a", a), save(tmp_path / "b", b))
+    assert rc == 3
+    assert "layer offset" not in out and "unmatched" not in out, out
+    assert f"only in B (extra) ({len(layer0)}):" in out and "model.layers.4.self_attn.q_proj.weight" in out
+
+
 def test_dropped_buffer(tiny_model, tmp_path, capsys):
     import torch
 
@@ -173,3 +220,29 @@ def test_json(tiny_model, tmp_path, capsys):
     assert rc == 3 and report["verdict"] == "differ"
     assert [f["name"] for f in report["values_differ"]] == [Q]
     assert report["identical"] == len(t) - 1 and report["only_in_a"] == []
+
+
+@pytest.mark.parametrize("n_tensors, lines_read, unbuffered, status", [
+    (3000, 1, "", 1),  # a report far bigger than a pipe's buffer: a print meets the closed end, mid-command
+    (2, 0, "", 3),  # a short report, reader gone first: the final flush meets it, after the command's status
+    (2, 0, "1", 1),  # the same with PYTHONUNBUFFERED: the print meets it
+])
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path, n_tensors, lines_read, unbuffered, status):
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    a = {f"w.{i}": torch.zeros(2) for i in range(n_tensors)}
+    save(tmp_path / "a", a)
+    save(tmp_path / "b", {k: v + 1 for k, v in a.items()})
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"} | {"PYTHONUNBUFFERED": unbuffered}
+    p = subprocess.Popen([sys.executable, "-m", "miles", "check-weights", str(tmp_path / "a"), str(tmp_path / "b")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    for _ in range(lines_read):
+        assert p.stdout.readline().startswith("A: ")
+    p.stdout.close()  # as `| head -1` does
+    err = p.stderr.read()
+    assert p.wait(timeout=60) == status, err
+    assert "BrokenPipeError" not in err and "Traceback" not in err and err == "", err

@@ -8,6 +8,7 @@ scheduler traceback, NCCL's watchdog, a Ray session's worker logs, slime/Megatro
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -359,6 +360,17 @@ def test_bundle_holds_a_bug_report_with_secrets_redacted(capsys, tmp_path):
     assert '"step": 8' in last and '"step": 4' in last and '"step": 3' not in last
     assert [p.name for p in out.parent.iterdir()] == ["bug.md"]  # no temp file left behind
 
+
+def test_bundle_has_the_mode_of_any_other_file(capsys, tmp_path):
+    umask = os.umask(0o022)
+    try:
+        rc, _, _ = doctor(capsys, FIX / "clean_run", "--bundle", tmp_path / "bug.md")
+        (tmp_path / "other.md").write_text("x")
+    finally:
+        os.umask(umask)
+    assert rc == 0
+    modes = {name: stat.S_IMODE((tmp_path / name).stat().st_mode) for name in ("bug.md", "other.md")}
+    assert modes == {"bug.md": 0o644, "other.md": 0o644}, {k: oct(v) for k, v in modes.items()}
 
 def test_bundle_to_an_unwritable_place_is_a_usage_error(capsys, tmp_path):
     (tmp_path / "file").write_text("x")

@@ -81,6 +81,54 @@ def test_without_weights_the_engine_side_is_shown_and_said(run_dir, tmp_path):
     png_size(run / "report" / "logprob_scatter.png")  # the engine log-prob histogram
 
 
+def test_index_records_the_plots(run_dir):
+    index = json.loads((run_dir / "report" / "index.json").read_text())
+    assert [p["id"] for p in index["plots"]] == PLOTS and index["skipped"] == {}
+    assert [p["file"] for p in index["plots"]] == img_sources((run_dir / "report.html").read_text())
+
+
+def test_a_poorer_report_does_not_replace_a_richer_one_unless_forced(run_dir, tmp_path, monkeypatch, capsys):
+    # The run as seen from its parent dir, with dumps recorded relative to it: runs/x/dumps/...
+    run = shutil.copytree(run_dir, tmp_path / "work" / "runs" / "x")
+    config = json.loads((run / "config.json").read_text())
+    config["save_debug_rollout_data"] = "runs/x/dumps/data_{rollout_id}.pt"
+    (run / "config.json").write_text(json.dumps(config))
+    monkeypatch.chdir(tmp_path)  # another working directory: the dumps no longer resolve
+    page, scatter = (run / "report.html").read_bytes(), (run / "report" / "logprob_scatter.png").read_bytes()
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {run / 'report.html'} has plots this report would lack (logprob_scatter: no rollout "
+                   f"dumps found at runs/x/dumps/data_{{rollout_id}}.pt (config.json's save_debug_rollout_data) under "
+                   f"{tmp_path} or {run} (capture with --save-debug-rollout-data)); pass --force to overwrite, or "
+                   f"--dumps/--model to make them\n")
+    assert (run / "report.html").read_bytes() == page  # nothing of the earlier report was touched
+    assert (run / "report" / "logprob_scatter.png").read_bytes() == scatter
+
+    assert main(["report", str(run), "--force"]) == 0
+    out = capsys.readouterr().out
+    assert "note: the earlier report had logprob_scatter, this one lacks it: no rollout dumps found at runs/x" in out
+    assert "the earlier report had logprob_scatter, this one lacks it" in (run / "report.html").read_text()
+    assert "report/logprob_scatter.png" not in img_sources((run / "report.html").read_text())
+    assert main(["report", str(run)]) == 0  # now the page on disk lacks it too: nothing to lose
+    monkeypatch.chdir(tmp_path / "work")  # where the dumps resolve again: richer is always fine
+    assert main(["report", str(run)]) == 0
+    assert img_sources((run / "report.html").read_text())[-1] == "report/logprob_scatter.png"
+
+
+def test_engine_histogram_does_not_replace_a_scatter_unless_forced(run_dir, tmp_path, capsys):
+    run = shutil.copytree(run_dir, tmp_path / "run")
+    shutil.rmtree(run / "checkpoints")
+    dump = str(run / "dumps" / "data_1.pt")  # sampled after step 1, whose checkpoint is gone
+    assert main(["report", str(run), "--dumps", dump]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {run / 'report.html'} has plots this report would lack (logprob_scatter: no "
+                          "weights found for any dump") and err.endswith("or --dumps/--model to make them\n"), err
+    assert main(["report", str(run), "--dumps", dump, "--force"]) == 0
+    index = json.loads((run / "report" / "index.json").read_text())
+    assert index["plots"][-1]["id"] == "engine_logprobs"
+    assert "no weights found" in index["skipped"]["logprob_scatter"]
+
+
 def test_missing_keys_and_nan_are_notes_not_failures(tmp_path):
     rows = [{"step": 1, "rollout/reward_mean": 0.1, "train/grad_norm": "nan"},
             {"step": 2, "rollout/reward_mean": 0.3, "train/grad_norm": "inf", "forward_logp_max_diff": 0.0},

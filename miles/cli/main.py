@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    rc = 1  # the exit status if stdout's reader goes away before the command has finished
     try:
         parser = build_parser()
         argv = sys.argv[1:] if argv is None else list(argv)
@@ -46,8 +47,17 @@ def main(argv: list[str] | None = None) -> int:
         args.command_line = "miles " + shlex.join(argv)
         if args.command is None:
             parser.print_help()
-            return 2
-        return args.run(args) or 0
+            rc = 2
+        else:
+            rc = args.run(args) or 0
+        sys.stdout.flush()  # a reader that went away shows here, inside this try, not at exit
+        return rc
+    except BrokenPipeError:  # stdout's reader closed early (`miles ... | head`): stop quietly
+        import os
+
+        # Python docs, "Note on SIGPIPE": point stdout at devnull so the flush at exit cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return rc
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -7,7 +7,11 @@
 Aimed at the weight-sync bugs of RL training: names lost in a mapping, a prefix (`model.`, `module.`)
 added or dropped, a tensor written transposed, a silent dtype cast, buffers left behind, and pipeline
 stages that number their layers from the wrong start. A layer offset d is B's index minus A's index:
-"layer offset +1 for layers 0..2" means B's layer k+1 holds A's layer k, for k = 0..2.
+"layer offset +1 for layers 0..2" means B's layer k+1 holds A's layer k, for k = 0..2. Layers are
+compared whole (every tensor of the layer); an offset is reported wherever a layer of B that differs
+from A's layer at its own index equals A's layer at another index, also when B holds that layer of A
+in place. A tensor that differs because its layer of B holds a shifted layer of A is listed
+as a consequence of the offset. Layers all equal to each other (identical init) give no offsets.
 A prefix difference alone still counts as a match (it is a naming convention, not a weight change).
 
 Exit 0 when the weights match, 3 when they differ, 2 on bad arguments.
@@ -19,6 +23,7 @@ import argparse
 import hashlib
 import json
 import re
+from collections import Counter
 from pathlib import Path
 
 from miles.errors import UsageError
@@ -144,15 +149,45 @@ def layers_of(ws: WeightSet) -> dict[tuple[str, int], dict[str, str]]:
 
 
 def find_layer_offsets(a: WeightSet, b: WeightSet):
-    """Runs of consecutive layers of A found whole in B at a fixed offset (the pipeline-stage numbering
-    bug). Returns (offsets, unmatched layers, names of A explained by an offset, names of B likewise)."""
+    """Runs of consecutive layers of A that B holds whole at a fixed other index (the pipeline-stage
+    numbering bug), whether or not B also holds them in place. Returns (offsets, unmatched layers, names
+    of A explained by an offset, names of B likewise)."""
     la, lb = layers_of(a), layers_of(b)
-    where_b: dict[tuple, list[int]] = {}
+    candidates = held_elsewhere(la, lb)
+    offsets = pick_runs(candidates)
+    # "Matches no layer" only means something next to an offset; otherwise it is a plain value change.
+    unmatched = [{"stack": s, "layer": k} for (s, k) in sorted(la)
+                 if offsets and lb.get((s, k)) != la[(s, k)] and not candidates.get((s, k))]
+    explained_a = {f"{o['stack']}.{k}.{n}" for o in offsets for k in range(o["first"], o["last"] + 1)
+                   for n in la[(o["stack"], k)]}
+    explained_b = {f"{o['stack']}.{k + o['offset']}.{n}" for o in offsets
+                   for k in range(o["first"], o["last"] + 1) for n in la[(o["stack"], k)]}
+    return offsets, unmatched, explained_a, explained_b
+
+
+def held_elsewhere(la: dict, lb: dict) -> dict[tuple[str, int], set[int]]:
+    """(stack, k) -> the offsets d != 0 at which B's layer k+d equals A's layer k in every tensor, for
+    layers of B that differ from A's layer at their own index. A layer equal to every other layer of
+    A's stack (identical init) says nothing about where it went, and is left out."""
+    where_a: dict[tuple, list[int]] = {}
+    for (stack, k), tensors in la.items():
+        where_a.setdefault((stack, frozenset(tensors.items())), []).append(k)
+    n_layers = Counter(stack for stack, _ in la)
+    out: dict[tuple[str, int], set[int]] = {}
     for (stack, m), tensors in lb.items():
-        where_b.setdefault((stack, frozenset(tensors.items())), []).append(m)
-    # Only layers that are not intact in place need explaining.
-    candidates = {(s, k): {m - k for m in where_b.get((s, frozenset(t.items())), [])}
-                  for (s, k), t in la.items() if lb.get((s, k)) != t}
+        if la.get((stack, m)) == tensors:
+            continue  # intact in place
+        ks = where_a.get((stack, frozenset(tensors.items())), [])
+        if len(ks) > 1 and len(ks) == n_layers[stack]:
+            continue  # every layer of A is this layer
+        for k in ks:
+            out.setdefault((stack, k), set()).add(m - k)
+    return out
+
+
+def pick_runs(candidates: dict[tuple[str, int], set[int]]) -> list[dict]:
+    """Maximal runs of consecutive layers sharing an offset; longest first, each layer of A and of B
+    in at most one run (a layer matching at two offsets goes to the run that explains the most)."""
     runs = []
     for stack, d in {(s, d) for (s, _), ds in candidates.items() for d in ds}:
         ks = sorted(k for (s, k), ds in candidates.items() if s == stack and d in ds)
@@ -161,21 +196,23 @@ def find_layer_offsets(a: WeightSet, b: WeightSet):
             if k is None or k != prev + 1:  # the run ends at prev
                 runs.append((stack, d, start, prev))
                 start = k
-    # Longest runs first: a layer matching at two offsets goes to the run that explains the most.
-    offsets, taken = [], set()
+    offsets, taken_a, taken_b = [], set(), set()
     for stack, d, i, j in sorted(runs, key=lambda r: (-(r[3] - r[2]), abs(r[1]), r[0], r[2])):
-        if not any((stack, k) in taken for k in range(i, j + 1)):
-            taken.update((stack, k) for k in range(i, j + 1))
+        ks = range(i, j + 1)
+        if not any((stack, k) in taken_a or (stack, k + d) in taken_b for k in ks):
+            taken_a.update((stack, k) for k in ks)
+            taken_b.update((stack, k + d) for k in ks)
             offsets.append({"stack": stack, "offset": d, "first": i, "last": j})
-    offsets.sort(key=lambda o: (o["stack"], o["first"]))
-    # "Matches no layer" only means something next to an offset; otherwise it is a plain value change.
-    unmatched = [{"stack": s, "layer": k} for (s, k) in sorted(candidates)
-                 if offsets and not candidates[(s, k)]]
-    explained_a = {f"{o['stack']}.{k}.{n}" for o in offsets for k in range(o["first"], o["last"] + 1)
-                   for n in la[(o["stack"], k)]}
-    explained_b = {f"{o['stack']}.{k + o['offset']}.{n}" for o in offsets
-                   for k in range(o["first"], o["last"] + 1) for n in la[(o["stack"], k)]}
-    return offsets, unmatched, explained_a, explained_b
+    return sorted(offsets, key=lambda o: (o["stack"], o["first"]))
+
+
+def offset_consequence(name: str, offsets: list[dict]) -> dict | None:
+    """For a tensor of a layer of B that holds a shifted layer of A: the offset and A's layer index."""
+    m = LAYER_RE.match(name)
+    for o in offsets if m else ():
+        if m[1] == o["stack"] and o["first"] <= int(m[2]) - o["offset"] <= o["last"]:
+            return {"offset": o["offset"], "a_layer": int(m[2]) - o["offset"], "b_layer": int(m[2])}
+    return None
 
 
 def compare_tensor(a: WeightSet, b: WeightSet, name: str, atol: float) -> tuple[str, dict]:
@@ -220,6 +257,8 @@ def compare(a: WeightSet, b: WeightSet, atol: float) -> dict:
         kind, info = compare_tensor(a, b, name, atol)
         if kind == "identical":
             report["identical"] += 1
+        elif cause := offset_consequence(name, offsets):  # B's layer holds another layer of A
+            report[kind].append({"name": name, **info, "consequence_of_offset": cause})
         else:
             report[kind].append({"name": name, **info})
     report["verdict"] = "differ" if any(report[key] for key in SECTIONS) else "match"
@@ -242,7 +281,10 @@ def format_line(key: str, f) -> str:
     if key == "unmatched_layers":
         return f"layer {f['layer']} of A matches no layer of B ({f['stack']})"
     diff = "" if f.get("max_abs_diff") is None else f", max abs diff {f['max_abs_diff']:.3g}"
-    return f"{f['name']}: {SECTIONS[key]} (A {f['a']}, B {f['b']}{diff})"
+    line = f"{f['name']}: {SECTIONS[key]} (A {f['a']}, B {f['b']}{diff})"
+    if cause := f.get("consequence_of_offset"):
+        line += f"; consequence of the layer offset: B's layer {cause['b_layer']} holds A's layer {cause['a_layer']}"
+    return line
 
 
 def format_report(r: dict) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 from pathlib import Path
 
@@ -28,7 +29,9 @@ def register(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from miles.debug.rollout_dump import read_dump, samples_from_dump
+    if Path(args.path).is_dir():  # before the dump reader (and torch) is imported
+        raise UsageError(directory_error(Path(args.path)))
+    from miles.bridge.rollout_dump import read_dump, samples_from_dump
 
     path = Path(args.path)
     payload = read_dump(path, source="inspect-rollout")
@@ -48,6 +51,17 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print_table(path, payload, metadata, samples, summary)
     return 0
+
+
+def directory_error(path: Path) -> str:
+    """Says PATH is a directory and names the dump files in it, in rollout-id order."""
+    dumps = sorted((f.name for f in path.glob("*.pt") if f.is_file()),
+                   key=lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n)])
+    if not dumps:
+        return f"inspect-rollout: {path} is a directory with no *.pt dump files; give one dump file"
+    shown = dumps if len(dumps) <= 3 else [*dumps[:2], "...", dumps[-1]]
+    return (f"inspect-rollout: {path} is a directory; give one dump file: {', '.join(shown)} "
+            f"({len(dumps)} file{'s' if len(dumps) > 1 else ''})")
 
 
 def sample_row(s) -> dict:

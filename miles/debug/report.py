@@ -11,6 +11,11 @@ recomputed for one dump: the first whose sampling weights are at hand (the base 
 checkpoint `step_K` for rollout K), or with `--model`, the first dump found. A plot whose data is
 absent is skipped with a note on the page. The page needs no network and no JavaScript: the PNGs
 sit in RUN_DIR/report/ and are linked relatively.
+
+RUN_DIR/report/index.json records which plots the page has and why the others were skipped. A new
+report that would lack a plot the earlier one had (say, run from another directory, where the dumps'
+relative paths no longer resolve) is refused (exit 2) unless `--force` is given; with `--force` the
+page and the output name each plot lost, and why.
 """
 
 from __future__ import annotations
@@ -23,11 +28,12 @@ import json
 import math
 import os
 import re
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 from miles.errors import UsageError
-from miles.utils.io import atomic_write_bytes
+from miles.utils.io import atomic_write_bytes, atomic_write_json
 
 # (file stem, title, panels: each a list of metric keys drawn on one axis, log y-scale)
 PLOTS = [
@@ -38,6 +44,8 @@ PLOTS = [
     ("logprob_diff", "Trainer vs engine log-prob difference",
      [["train/train_rollout_logprob_abs_diff", "forward_logp_max_diff"]], True),
 ]
+SCATTER_TITLE = "Trainer vs engine per-token log-probs"
+INDEX = "report/index.json"  # what the page holds, for the next report to compare with
 MAX_SCORED_SAMPLES = 64  # of one dump; scoring is a forward pass per sample: keep the report cheap on big models
 
 
@@ -49,7 +57,18 @@ def register(commands) -> None:
                    help="rollout dumps for the log-prob scatter (default: config.json's --save-debug-rollout-data)")
     p.add_argument("--model", metavar="DIR", help="HF model dir that scores the first dump's tokens (default: the "
                                                    "weights that dump was sampled with, when they are at hand)")
+    p.add_argument("--force", action="store_true",
+                   help="write the report even where it lacks plots the earlier RUN_DIR/report.html had")
     p.set_defaults(run=run)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plot:
+    id: str  # logprob_scatter, or engine_logprobs for its engine-only stand-in
+    file: str  # relative to RUN_DIR
+    title: str
+    caption: str
+    png: bytes
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,21 +80,62 @@ def run(args: argparse.Namespace) -> int:
     rows = read_metrics(run_dir / "metrics.jsonl")
     config_path = run_dir / "config.json"
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-    out_dir, notes, figures = run_dir / "report", [], []
-    for stem, title, panels, log in PLOTS:
-        png = line_plot(rows, title, panels, log, notes)
-        if png is not None:
-            atomic_write_bytes(out_dir / f"{stem}.png", png)
-            figures.append((f"report/{stem}.png", title, ""))
-    png, caption = logprob_scatter(run_dir, config, args, notes)
-    if png is not None:
-        atomic_write_bytes(out_dir / "logprob_scatter.png", png)
-        figures.append(("report/logprob_scatter.png", "Trainer vs engine per-token log-probs", caption))
+    notes: list[str] = []
+    plots, skipped = draw(run_dir, rows, config, args, notes)
+    lost = lost_plots(run_dir, plots, skipped, notes)
+    if lost and not args.force:
+        hint = ", or --dumps/--model to make them" if {"logprob_scatter", "engine_logprobs"} & set(lost) else ""
+        raise UsageError(f"{run_dir / 'report.html'} has plots this report would lack ("
+                         + "; ".join(f"{i}: {why}" for i, why in lost.items()) + f"); pass --force to overwrite{hint}")
+    notes += [f"the earlier report had {i}, this one lacks it: {why}" for i, why in lost.items()]
+    for plot in plots:
+        atomic_write_bytes(run_dir / plot.file, plot.png)
+    atomic_write_json(run_dir / INDEX, {"format": "miles.report/1", "plots": [
+        {"id": p.id, "file": p.file, "title": p.title} for p in plots], "skipped": skipped})
+    figures = [(p.file, p.title, p.caption) for p in plots]
     atomic_write_bytes(run_dir / "report.html", render_html(run_dir, rows, config, figures, notes).encode())
-    print(f"Wrote {run_dir / 'report.html'} ({len(figures)} plots in {out_dir})")
+    print(f"Wrote {run_dir / 'report.html'} ({len(plots)} plots in {run_dir / 'report'})")
     for note in notes:
         print(f"note: {note}")
     return 0
+
+
+def draw(run_dir: Path, rows: list[dict], config: dict, args, notes: list[str]) -> tuple[list[Plot], dict[str, str]]:
+    """Every plot whose data is at hand, in memory; for each of the others, why not (its notes)."""
+    plots, skipped = [], {}
+    for stem, title, panels, log in PLOTS:
+        first = len(notes)
+        png = line_plot(rows, title, panels, log, notes)
+        if png is None:
+            skipped[stem] = reason(notes[first:], title)
+        else:
+            plots.append(Plot(id=stem, file=f"report/{stem}.png", title=title, caption="", png=png))
+    first = len(notes)
+    plot_id, png, caption = logprob_scatter(run_dir, config, args, notes)
+    if plot_id != "logprob_scatter":
+        skipped["logprob_scatter"] = reason(notes[first:], SCATTER_TITLE)
+    if png is not None:
+        title = SCATTER_TITLE if plot_id == "logprob_scatter" else "Engine per-token log-probs"
+        plots.append(Plot(id=plot_id, file="report/logprob_scatter.png", title=title, caption=caption, png=png))
+    return plots, skipped
+
+
+def reason(notes: list[str], title: str) -> str:
+    return "; ".join(n.removeprefix(f"{title}: ").removeprefix("skipped, ") for n in notes) or "no data"
+
+
+def lost_plots(run_dir: Path, plots: list[Plot], skipped: dict[str, str], notes: list[str]) -> dict[str, str]:
+    """Plot id -> why, for each plot the earlier report (its index.json) had and this one lacks."""
+    index = run_dir / INDEX
+    if not (run_dir / "report.html").is_file() or not index.is_file():
+        return {}
+    try:
+        earlier = [p["id"] for p in json.loads(index.read_text())["plots"]]
+    except (ValueError, KeyError, TypeError) as e:
+        notes.append(f"{index} is unreadable ({e!r}); the earlier report's plots were not compared")
+        return {}
+    have = {p.id for p in plots} | ({"engine_logprobs"} if any(p.id == "logprob_scatter" for p in plots) else set())
+    return {i: skipped.get(i, "not drawn") for i in earlier if i not in have}
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -175,6 +235,17 @@ def find_dumps(run_dir: Path, config: dict, pattern: str | None) -> list[Path]:
                                                           for t in re.split(r"(\d+)", p.name)])
 
 
+def dumps_tried(run_dir: Path, config: dict, pattern: str | None) -> str:
+    """Where find_dumps looked, in words."""
+    where = "--dumps" if pattern else "config.json's save_debug_rollout_data"
+    pattern = pattern or config.get("save_debug_rollout_data")
+    if not pattern:
+        return f"via {where} (not set)"
+    if os.path.isabs(pattern):
+        return f"at {pattern} ({where})"
+    return f"at {pattern} ({where}) under {os.getcwd()} or {run_dir}"
+
+
 def weights_for(dump: dict, run_dir: Path, config: dict) -> Path | None:
     """The weights a dump was sampled with: rollout K comes from the policy after step K."""
     meta, rid = dump.get("metadata") or {}, dump.get("rollout_id")
@@ -187,15 +258,16 @@ def weights_for(dump: dict, run_dir: Path, config: dict) -> Path | None:
     return candidate if (candidate / "config.json").is_file() else None
 
 
-def logprob_scatter(run_dir: Path, config: dict, args, notes: list[str]) -> tuple[bytes | None, str]:
-    """The PNG (None when skipped) and a caption saying where each side's log-probs come from."""
-    title = "Trainer vs engine per-token log-probs"
+def logprob_scatter(run_dir: Path, config: dict, args, notes: list[str]) -> tuple[str | None, bytes | None, str]:
+    """(plot id, PNG, caption): the scatter (`logprob_scatter`), the engine side alone when nothing can
+    score the dumps (`engine_logprobs`), or (None, None, "") when skipped."""
+    title = SCATTER_TITLE
     paths = find_dumps(run_dir, config, args.dumps)
     if not paths:
-        where = f"--dumps {args.dumps}" if args.dumps else "config.json's save_debug_rollout_data"
-        notes.append(f"{title}: skipped, no rollout dumps found via {where} (capture with --save-debug-rollout-data)")
-        return None, ""
-    from miles.debug.rollout_dump import read_dump, samples_from_dump
+        notes.append(f"{title}: skipped, no rollout dumps found {dumps_tried(run_dir, config, args.dumps)} "
+                     f"(capture with --save-debug-rollout-data)")
+        return None, None, ""
+    from miles.bridge.rollout_dump import read_dump, samples_from_dump
 
     weights, chosen, engine_only = Path(args.model) if args.model else None, [], []
     for path in paths:
@@ -214,7 +286,7 @@ def logprob_scatter(run_dir: Path, config: dict, args, notes: list[str]) -> tupl
             break
     if not engine_only:
         notes.append(f"{title}: skipped, the dumps carry no engine log-probs (rollout_log_probs)")
-        return None, ""
+        return None, None, ""
     if not chosen:  # nothing to score with: show the engine side alone, and say why
         notes.append(f"{title}: no weights found for any dump (base model moved, or no step_K checkpoint); showing "
                      f"the engine's log-probs only; pass --model DIR to score them")
@@ -223,7 +295,7 @@ def logprob_scatter(run_dir: Path, config: dict, args, notes: list[str]) -> tupl
         ax.set_xlabel("engine log-prob per token")
         ax.set_ylabel("tokens")
         fig.suptitle("Engine per-token log-probs (trainer side not available)")
-        return _png(fig), "Engine log-probs only: no weights to compute the trainer's with"
+        return "engine_logprobs", _png(fig), "Engine log-probs only: no weights to compute the trainer's with"
     engine, trainer = score(weights, [s for _, s in chosen], meta, config)
     fig, (ax,) = _figure(1)
     fig.set_size_inches(7.0, 5.0)
@@ -238,7 +310,8 @@ def logprob_scatter(run_dir: Path, config: dict, args, notes: list[str]) -> tupl
     ax.legend(fontsize=8)
     fig.suptitle(f"{title}\n{len(engine)} tokens of {chosen[0][0].name}; |diff| max {max(diffs):.2e}, "
                  f"mean {sum(diffs) / len(diffs):.2e}", fontsize=10)
-    return _png(fig), f"trainer log-probs recomputed with {weights}; engine log-probs from the dumps"
+    caption = f"trainer log-probs recomputed with {weights}; engine log-probs from the dumps"
+    return "logprob_scatter", _png(fig), caption
 
 
 def score(weights: Path, samples, meta: dict, config: dict) -> tuple[list[float], list[float]]:

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import platform
 import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from miles.debug.doctor.readers import Corpus
+from miles.utils.io import atomic_write_text
 
 REDACTED = "<redacted>"
 _TEXT_SECRETS = [
@@ -70,16 +69,9 @@ def write_bundle(out: str, corpus: Corpus, paths: list[str], findings_text: str)
     target = Path(out)
     if target.is_dir():
         target = target / "miles-doctor-bundle.md"
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(parents=True, exist_ok=True)  # a place that cannot be written fails before pip freeze
     text = redact("\n".join(_sections(corpus, paths, findings_text)) + "\n")
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, target)  # a half-written bundle never sits at OUT
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    atomic_write_text(target, text)  # a half-written bundle never sits at OUT
     return target
 
 
