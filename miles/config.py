@@ -1,7 +1,8 @@
 """Typed configs, one per component, built once from the parsed flags.
 
 Each component reads only its own section, so what it depends on is visible in its signature
-rather than hidden in 40 `args.*` reads.
+rather than hidden in 40 `args.*` reads. Every config is keyword-only and built by keyword; a flag
+lives in exactly one section (a component that needs another's value gets it as an argument).
 """
 
 from __future__ import annotations
@@ -10,66 +11,84 @@ import argparse
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    hf_checkpoint: str | None  # None: the demo model
-    ref_load: str | None  # None: the initial policy
-    attention_backend: str  # sdpa | eager | flash
-    precision: str  # fp32 | bf16
-    device: str  # cpu | cuda
+    hf_checkpoint: str | None
+    """HF model + tokenizer dir; None: the demo model."""
+    ref_load: str | None
+    """Reference model for the KL; None: the initial policy."""
+    attention_backend: str
+    """sdpa | eager | flash, for trainer and engine."""
+    precision: str
+    """fp32 | bf16 compute; master weights stay fp32."""
+    device: str
+    """cpu | cuda."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    prompt_data: str
+    input_key: str
+    label_key: str | None
+    apply_chat_template: bool
+    max_prompt_len: int | None
+    """--rollout-max-prompt-len: longer prompts are dropped at load time."""
+    shuffle: bool
+    """--rollout-shuffle: a new order each epoch, seeded by --seed."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     max_new_tokens: int
-    temperature: float  # 0 means greedy
+    temperature: float
+    """0 means greedy."""
     top_p: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
-    batch_size: int  # prompts per rollout
+    batch_size: int
+    """Prompts per rollout."""
     n_samples_per_prompt: int
+    """Responses per prompt: one GRPO group."""
     sampling: SamplingParams
-    apply_chat_template: bool
-    max_prompt_len: int | None
-    shuffle: bool
     rm_type: str
     custom_rm_path: str | None
-    seed: int
-    label_key: str | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     num_steps_per_rollout: int
     global_batch_size: int
     micro_batch_size: int
     lr: float
     weight_decay: float
-    clip_grad: float  # 0 disables clipping
+    clip_grad: float
+    """0 disables clipping."""
     advantage_estimator: str
     eps_clip: float
     eps_clip_high: float
-    kl_coef: float  # reward shaping
+    kl_coef: float
+    """KL folded into the reward (reward shaping)."""
     use_kl_loss: bool
     kl_loss_coef: float
     kl_loss_type: str
     use_tis: bool
     tis_clip: float
-    rollout_temperature: float  # the trainer scores tokens at the temperature they were sampled at
-    n_samples_per_prompt: int
+    calculate_per_token_loss: bool
+    """Loss summed over the global batch's response tokens and divided by their count (DAPO)."""
 
     @property
     def needs_ref(self) -> bool:
         return (self.use_kl_loss and self.kl_loss_coef > 0) or self.kl_coef > 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     output_dir: str
     num_rollout: int
     seed: int
+    """Seeds Python/NumPy/torch and every sample's sampling stream."""
     save: str | None
     save_interval: int | None
     load: str | None
@@ -77,34 +96,67 @@ class RunConfig:
     use_wandb: bool
     wandb_project: str
     wandb_group: str | None
-    debug_rollout_only: bool  # build no trainer
-    save_debug_rollout_data: str | None  # dump template, with {rollout_id}
-    load_debug_rollout_data: str | None  # replay template; implies train-only (no engine)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DebugConfig:
+    debug_rollout_only: bool
+    """Build no trainer."""
+    debug_train_only: bool
+    """Build no engine (implied by load_debug_rollout_data)."""
+    save_debug_rollout_data: str | None
+    """Dump template with {rollout_id}."""
+    load_debug_rollout_data: str | None
+    """Replay template with {rollout_id}."""
     debug_rollout_print_every: int | None
-    alignment_check: str  # off | warn | error
+    alignment_check: str
+    """off | warn | error."""
     check_weight_update_equal: bool
     debug_weight_sync: int
     deterministic_mode: bool
-    debug_determinism: bool  # hashes.jsonl
-    true_on_policy_mode: bool  # the engine samples from the trainer's computation
+    debug_determinism: bool
+    """Write hashes.jsonl."""
+    true_on_policy_mode: bool
+    """The engine samples from the trainer's own computation."""
 
 
-def build_configs(args: argparse.Namespace) -> tuple[ModelConfig, RolloutConfig, TrainConfig, RunConfig]:
-    model = ModelConfig(args.hf_checkpoint, args.ref_load, args.attention_backend, args.precision, args.device)
-    sampling = SamplingParams(args.rollout_max_response_len, args.rollout_temperature, args.rollout_top_p)
-    rollout = RolloutConfig(
-        args.rollout_batch_size, args.n_samples_per_prompt, sampling, args.apply_chat_template,
-        args.rollout_max_prompt_len, args.rollout_shuffle, args.rm_type, args.custom_rm_path, args.seed,
-        args.label_key)
-    train = TrainConfig(
-        args.num_steps_per_rollout, args.global_batch_size, args.micro_batch_size, args.lr, args.weight_decay,
-        args.clip_grad, args.advantage_estimator, args.eps_clip, args.eps_clip_high, args.kl_coef,
-        args.use_kl_loss, args.kl_loss_coef, args.kl_loss_type, args.use_tis, args.tis_clip,
-        args.rollout_temperature, args.n_samples_per_prompt)
-    run = RunConfig(args.output_dir, args.num_rollout, args.seed, args.save, args.save_interval, args.load,
-                    args.use_tensorboard, args.use_wandb, args.wandb_project, args.wandb_group,
-                    args.debug_rollout_only, args.save_debug_rollout_data, args.load_debug_rollout_data,
-                    args.debug_rollout_print_every, args.alignment_check, args.check_weight_update_equal,
-                    args.debug_weight_sync, args.deterministic_mode, args.debug_determinism,
-                    args.true_on_policy_mode)
-    return model, rollout, train, run
+@dataclass(frozen=True, kw_only=True)
+class Configs:
+    model: ModelConfig
+    data: DataConfig
+    rollout: RolloutConfig
+    train: TrainConfig
+    run: RunConfig
+    debug: DebugConfig
+
+
+def build_configs(args: argparse.Namespace) -> Configs:
+    a = args
+    return Configs(
+        model=ModelConfig(hf_checkpoint=a.hf_checkpoint, ref_load=a.ref_load, attention_backend=a.attention_backend,
+                          precision=a.precision, device=a.device),
+        data=DataConfig(prompt_data=a.prompt_data, input_key=a.input_key, label_key=a.label_key,
+                        apply_chat_template=a.apply_chat_template, max_prompt_len=a.rollout_max_prompt_len,
+                        shuffle=a.rollout_shuffle),
+        rollout=RolloutConfig(
+            batch_size=a.rollout_batch_size, n_samples_per_prompt=a.n_samples_per_prompt,
+            sampling=SamplingParams(max_new_tokens=a.rollout_max_response_len, temperature=a.rollout_temperature,
+                                    top_p=a.rollout_top_p),
+            rm_type=a.rm_type, custom_rm_path=a.custom_rm_path),
+        train=TrainConfig(
+            num_steps_per_rollout=a.num_steps_per_rollout, global_batch_size=a.global_batch_size,
+            micro_batch_size=a.micro_batch_size, lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad,
+            advantage_estimator=a.advantage_estimator, eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high,
+            kl_coef=a.kl_coef, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
+            use_tis=a.use_tis, tis_clip=a.tis_clip, calculate_per_token_loss=a.calculate_per_token_loss),
+        run=RunConfig(output_dir=a.output_dir, num_rollout=a.num_rollout, seed=a.seed, save=a.save,
+                      save_interval=a.save_interval, load=a.load, use_tensorboard=a.use_tensorboard,
+                      use_wandb=a.use_wandb, wandb_project=a.wandb_project, wandb_group=a.wandb_group),
+        debug=DebugConfig(
+            debug_rollout_only=a.debug_rollout_only, debug_train_only=a.debug_train_only,
+            save_debug_rollout_data=a.save_debug_rollout_data, load_debug_rollout_data=a.load_debug_rollout_data,
+            debug_rollout_print_every=a.debug_rollout_print_every, alignment_check=a.alignment_check,
+            check_weight_update_equal=a.check_weight_update_equal, debug_weight_sync=a.debug_weight_sync,
+            deterministic_mode=a.deterministic_mode, debug_determinism=a.debug_determinism,
+            true_on_policy_mode=a.true_on_policy_mode),
+    )

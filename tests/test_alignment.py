@@ -161,18 +161,18 @@ def test_labels_missing_in_some_rows_is_named(tiny_args, tmp_path):
     del argv[i : i + 2]  # the math reward, on labels
     out = run(argv, "--num-rollout", "1")
     line = verdict_of(out, "reward signal")
-    assert "labels missing 8/16" in line and "| WARN |" in line or "| FAIL |" in line
+    assert "labels missing 8/16" in line and ("| WARN |" in line or "| FAIL |" in line)
     assert "no parsable answer in" in line
     assert "4 of 8 rows" in (out / "train.log").read_text()  # the data loader's warning too
 
 
 def test_one_tensor_corrupted_after_sync_is_named(tiny_args, tmp_path, monkeypatch):
-    from miles.rollout.engine import LocalEngine
+    from miles.rollout.local import LocalEngine
 
     original = LocalEngine.update_weights
 
-    def corrupting(self, named_tensors):
-        original(self, named_tensors)
+    def corrupting(self, named_tensors, *, weight_version):
+        original(self, named_tensors, weight_version=weight_version)
         with torch.no_grad():
             self.model.model.layers[1].mlp.down_proj.weight[0, 0] += 1.0
 
@@ -187,12 +187,12 @@ def test_one_tensor_corrupted_after_sync_is_named(tiny_args, tmp_path, monkeypat
 
 
 def test_dropped_buffer_after_sync_is_a_fail(tiny_args, monkeypatch, capsys, tmp_path):
-    from miles.rollout.engine import LocalEngine
+    from miles.rollout.local import LocalEngine
 
     original = LocalEngine.update_weights
 
-    def releasing(self, named_tensors):  # an engine that frees buffers with the old weights
-        original(self, named_tensors)
+    def releasing(self, named_tensors, *, weight_version):  # an engine that frees buffers with the old weights
+        original(self, named_tensors, weight_version=weight_version)
         self.model.model.rotary_emb.inv_freq.zero_()
 
     monkeypatch.setattr(LocalEngine, "update_weights", releasing)
@@ -208,3 +208,47 @@ def test_debug_weight_sync_levels(tiny_args, tmp_path):
     log = (run(tiny_args, "--debug-weight-sync", "2", "--num-rollout", "1") / "train.log").read_text()
     assert "checksum=" in log
     assert log.count("weight_sync tensor ") == 21 and "weight_sync tensor lm_head.weight shape=[100, 64]" in log
+
+
+# -- non-finite values and resumed runs ------------------------------------------------------------
+
+@pytest.mark.parametrize("check, args", [
+    (check_coherence, (float("nan"), 49152, 0.0, 0.0, "trainer")),
+    (check_policy_vs_ref, (float("nan"), float("nan"), "ref_log_probs")),
+    (check_policy_vs_ref, (0.0, float("inf"), "ref_log_probs")),
+    (check_train_vs_engine, (float("nan"), float("nan"), "fp32")),
+    (check_response_nll, (float("nan"), True, True)),
+])
+def test_every_check_fails_a_non_finite_value(check, args):
+    c = check(*args)
+    assert c.verdict == FAIL and "non-finite" in c.culprit
+
+
+def test_nan_rewards_fail_the_reward_signal():
+    c = check_reward_signal(RewardStats(16, 4, 2, [0.0, 1.0], 0, None, "label", nonfinite=3))
+    assert c.verdict == FAIL and "3/16 rewards NaN/Inf" in c.value
+
+
+def test_a_model_with_one_nan_weight_passes_no_check(tiny_args, tiny_model, tmp_path):
+    nan_model = perturbed_copy(tiny_model, tmp_path / "nan_model", 0)
+    weights = load_file(nan_model / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"][3, 5] = float("nan")
+    save_file(weights, nan_model / "model.safetensors", metadata={"format": "pt"})
+    out = run(swap_model(tiny_args, nan_model), "--use-kl-loss", "--kl-loss-coef", "0.1", "--num-rollout", "1")
+    lines = {name: verdict_of(out, name) for name in ("rollout coherence", "log_probs vs ref", "trainer vs engine",
+                                                       "response NLL", "grad_norm")}
+    for name, line in lines.items():
+        assert "| FAIL |" in line, line
+
+
+def test_a_resumed_run_checks_what_still_holds(tiny_args, tmp_path):
+    """A resumed run with a KL loss: the policy has left the reference, so `log_probs vs ref` is a
+    SKIP (not a false WARN/FAIL, which --alignment-check error would turn into exit 3)."""
+    kl = ["--use-kl-loss", "--kl-loss-coef", "0.5"]
+    first = run(tiny_args, *kl, "--num-rollout", "2", "--lr", "1e-2", "--output-dir", str(tmp_path / "first"))
+    resumed = run(tiny_args, *kl, "--num-rollout", "3", "--lr", "1e-2", "--alignment-check", "error",
+                  "--load", str(first / "checkpoints"), "--output-dir", str(tmp_path / "resumed"))
+    line = verdict_of(resumed, "log_probs vs ref")
+    assert "| SKIP | resumed after step 2" in line
+    assert "Alignment check after step 3" in (resumed / "train.log").read_text()
+    assert "| PASS |" in verdict_of(resumed, "trainer vs engine")

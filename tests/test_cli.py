@@ -2,6 +2,7 @@
 no traceback, before torch is even imported."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -59,7 +60,8 @@ def data_dir(tmp_path):
     (["--n-samples-per-prompt", "-1"], ["--n-samples-per-prompt"]),
     (["--rollout-top-p", "1.5"], ["--rollout-top-p"]),
     (["--global-batch-size", "12"], ["--global-batch-size 12", "32"]),
-    (["--micro-batch-size", "5"], ["--micro-batch-size 5", "--global-batch-size 32"]),
+    (["--micro-batch-size", "5"], ["--micro-batch-size 5", "the global batch (32: every sample"]),
+    (["--num-steps-per-rollout", "3"], ["derived from 32 samples // --num-steps-per-rollout 3"]),
     (["--use-kl-loss"], ["--kl-loss-coef"]),
     (["--n-samples-per-prompt", "1"], ["--n-samples-per-prompt >= 2", "reinforce_plus_plus"]),
     (["--hf-checkpoint", "{d}"], ["--hf-checkpoint", "no config.json"]),
@@ -125,3 +127,67 @@ def test_corrupt_weights_are_a_usage_error(tiny_model, prompt_file, tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: cannot load a causal LM from {model}") and "--hf-checkpoint" in last
+
+
+def test_every_choice_list_is_its_registry():
+    from miles.cli import train_args
+    from miles.rollout.rewards import REWARD_FUNCTIONS, RM_TYPES
+    from miles.train.advantages import ADVANTAGE_ESTIMATORS
+    from miles.train.losses import KL_ESTIMATORS
+    from miles.utils.models import ATTENTION_IMPLEMENTATIONS
+
+    assert set(train_args.ADVANTAGE_ESTIMATORS) == set(ADVANTAGE_ESTIMATORS)
+    assert set(train_args.KL_TYPES) == set(KL_ESTIMATORS)
+    assert set(train_args.ATTENTION_BACKENDS) == set(ATTENTION_IMPLEMENTATIONS)
+    assert set(RM_TYPES) == set(REWARD_FUNCTIONS)
+    # And the parser offers exactly those.
+    from miles.cli.main import build_parser
+
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    choices = {a.dest: set(a.choices) for a in train._actions if a.choices}
+    assert choices["advantage_estimator"] == set(ADVANTAGE_ESTIMATORS)
+    assert choices["kl_loss_type"] == set(KL_ESTIMATORS)
+    assert choices["attention_backend"] == set(ATTENTION_IMPLEMENTATIONS)
+    assert choices["rm_type"] == set(REWARD_FUNCTIONS)
+
+
+def test_relative_paths_are_stored_absolute(tiny_args, tmp_path, capsys):
+    """Relative --save-debug-rollout-data / --output-dir given in one directory; `miles report`
+    run from another still finds the dumps through config.json."""
+    from miles.cli.main import main
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir()
+    elsewhere.mkdir()
+    argv = list(tiny_args)
+    argv[argv.index("--output-dir") + 1] = "run"
+    cwd = os.getcwd()
+    try:
+        os.chdir(work)
+        assert main(argv + ["--num-rollout", "1", "--save-debug-rollout-data", "dumps/data_{rollout_id}.pt"]) == 0
+        config = json.loads((work / "run" / "config.json").read_text())
+        assert config["save_debug_rollout_data"] == str(work / "dumps" / "data_{rollout_id}.pt")
+        assert config["output_dir"] == str(work / "run")
+        os.chdir(elsewhere)
+        capsys.readouterr()
+        assert main(["report", str(work / "run")]) == 0
+        assert "logprob_scatter" in capsys.readouterr().out + (work / "run" / "report.html").read_text()
+    finally:
+        os.chdir(cwd)
+
+
+def test_resuming_into_the_same_dir_keeps_the_first_command_line(tiny_args, tmp_path):
+    from miles.cli.main import main
+
+    import shlex
+
+    out = tmp_path / "run"
+    first, second = tiny_args + ["--save-interval", "1"], tiny_args + ["--num-rollout", "3", "--load", str(out)]
+    assert main(first) == 0
+    assert main(second) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["command_line"] == "miles " + shlex.join(first)
+    assert [i["command_line"] for i in config["invocations"]] == ["miles " + shlex.join(a) for a in (first, second)]
+    assert config["num_rollout"] == 3  # the flags are this invocation's
+    rows = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [1, 2, 3]

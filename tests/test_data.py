@@ -315,55 +315,62 @@ def labels(batch):
 
 def test_dataset_in_order_and_wraps():
     ds = PromptDataset(recs(5), shuffle=False, seed=0)
-    assert labels(ds.next_batch(2)) == [0, 1]
-    assert labels(ds.next_batch(2)) == [2, 3]
-    assert ds.state_dict() == {"epoch": 0, "offset": 4}
-    assert labels(ds.next_batch(3)) == [4, 0, 1]  # wraps into epoch 1
-    assert ds.state_dict() == {"epoch": 1, "offset": 2}
-    assert labels(ds.next_batch(3)) == [2, 3, 4]
-    assert ds.state_dict() == {"epoch": 2, "offset": 0}
+    assert labels(ds.batch_for(0, 2)) == [0, 1]
+    assert labels(ds.batch_for(1, 2)) == [2, 3]
+    assert labels(ds.batch_for(2, 2)) == [4, 0]  # wraps into epoch 1
+    assert labels(ds.batch_for(1, 3)) == [3, 4, 0]
+    assert labels(ds.batch_for(3, 3)) == [4, 0, 1]  # positions 9..11: epoch 1 offset 4, epoch 2 offsets 0, 1
 
 
 def test_dataset_batch_larger_than_data():
     ds = PromptDataset(recs(3), shuffle=False, seed=0)
-    assert labels(ds.next_batch(7)) == [0, 1, 2, 0, 1, 2, 0]
-    assert ds.state_dict() == {"epoch": 2, "offset": 1}
+    assert labels(ds.batch_for(0, 7)) == [0, 1, 2, 0, 1, 2, 0]
+    assert labels(ds.batch_for(1, 7)) == [1, 2, 0, 1, 2, 0, 1]
 
 
 def test_dataset_shuffle_is_permutation_per_epoch_and_deterministic():
     n = 20
     a = PromptDataset(recs(n), shuffle=True, seed=3)
     b = PromptDataset(recs(n), shuffle=True, seed=3)
-    ea1, ea2 = labels(a.next_batch(n)), labels(a.next_batch(n))
+    ea1, ea2 = labels(a.batch_for(0, n)), labels(a.batch_for(1, n))
     assert sorted(ea1) == list(range(n)) and sorted(ea2) == list(range(n))
     assert ea1 != list(range(n))  # actually shuffled
     assert ea1 != ea2  # reshuffled each epoch
-    assert labels(b.next_batch(n)) + labels(b.next_batch(n)) == ea1 + ea2  # same seed, same order
+    assert labels(b.batch_for(0, n)) + labels(b.batch_for(1, n)) == ea1 + ea2  # same seed, same order
     c = PromptDataset(recs(n), shuffle=True, seed=4)
-    assert labels(c.next_batch(n)) != ea1  # different seed, different order
+    assert labels(c.batch_for(0, n)) != ea1  # different seed, different order
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_dataset_resume_matches_uninterrupted(shuffle):
+def test_dataset_batches_are_a_pure_function_of_the_rollout_id(shuffle):
+    """In order, out of order, ahead of time or after a resume (a fresh dataset): rollout i is rollout i."""
     data = recs(11)
-    full = PromptDataset(data, shuffle=shuffle, seed=42)
-    expected = [labels(full.next_batch(4)) for _ in range(10)]
+    in_order = [labels(PromptDataset(data, shuffle=shuffle, seed=42).batch_for(i, 4)) for i in range(10)]
+    one = PromptDataset(data, shuffle=shuffle, seed=42)
+    walked = [labels(one.batch_for(i, 4)) for i in range(10)]
+    other = PromptDataset(data, shuffle=shuffle, seed=42)
+    backwards = [labels(other.batch_for(i, 4)) for i in reversed(range(10))][::-1]
+    assert walked == in_order == backwards
+    # Every record is handed out once per epoch: 40 positions over 11 records.
+    flat = sum(walked, [])
+    for epoch in range(3):
+        assert sorted(flat[epoch * 11:(epoch + 1) * 11]) == list(range(11))
 
-    first = PromptDataset(data, shuffle=shuffle, seed=42)
-    got = [labels(first.next_batch(4)) for _ in range(4)]
-    state = json.loads(json.dumps(first.state_dict()))  # survives a checkpoint round trip
-    resumed = PromptDataset(data, shuffle=shuffle, seed=42)
-    resumed.load_state_dict(state)
-    got += [labels(resumed.next_batch(4)) for _ in range(6)]
-    assert got == expected
 
-
-def test_dataset_bad_state_and_args():
+def test_dataset_fingerprint_names_changed_data():
     ds = PromptDataset(recs(3), shuffle=False, seed=0)
-    with pytest.raises(UsageError, match="--prompt-data"):
-        ds.load_state_dict({"epoch": 0, "offset": 5})
+    saved = json.loads(json.dumps(ds.fingerprint()))  # survives a checkpoint round trip
+    PromptDataset(recs(3), shuffle=False, seed=0).check_fingerprint(saved)
+    for changed in (PromptDataset(recs(4), shuffle=False, seed=0), PromptDataset(recs(3), shuffle=True, seed=0),
+                    PromptDataset(recs(3)[:2] + [PromptRecord(prompt="other", label=2)], shuffle=False, seed=0)):
+        with pytest.raises(UsageError, match="--prompt-data"):
+            changed.check_fingerprint(saved)
+
+
+def test_dataset_bad_args():
+    ds = PromptDataset(recs(3), shuffle=False, seed=0)
     with pytest.raises(ValueError):
-        ds.next_batch(0)
+        ds.batch_for(0, 0)
     with pytest.raises(ValueError):
         PromptDataset([], shuffle=False, seed=0)
 

@@ -53,13 +53,19 @@ def test_diff_runs_names_the_first_divergence(reference_run, tiny_args, flags, s
     assert f"first divergence: step {step}, {component}" in capsys.readouterr().out
 
 
-def test_step_two_divergence_after_an_identical_step_one(reference_run, tiny_args, capsys):
-    # A KL loss with a zero-KL first step: step 1 trains identically, step 2 does not.
-    other = run(tiny_args, *DET, "--use-kl-loss", "--kl-loss-coef", "0.5")
+@pytest.mark.parametrize("kl_type, step, component", [
+    # k3's gradient at log pi == log ref is exactly zero, so step 1 trains bitwise as without the KL
+    # loss; at step 2 the policy has moved and the KL term enters the loss.
+    ("k3", 2, "loss"),
+    # k1 = log pi - log ref is zero at step 1 too (same loss), but its gradient is grad log pi, not zero.
+    ("k1", 1, "gradients"),
+])
+def test_a_kl_loss_enters_where_its_gradient_does(reference_run, tiny_args, kl_type, step, component, capsys):
+    other = run(tiny_args, *DET, "--use-kl-loss", "--kl-loss-coef", "0.5", "--kl-loss-type", kl_type)
     capsys.readouterr()
     assert main(["diff-runs", str(reference_run), str(other), "--json"]) == 1
     result = json.loads(capsys.readouterr().out)
-    assert result["step"] == 2 or result["component"] in ("loss", "gradients", "parameters")
+    assert (result["step"], result["component"]) == (step, component)
 
 
 def test_replay_hashes_match_live_from_the_rollout_on(reference_run, tiny_args, tmp_path):

@@ -7,9 +7,14 @@ import torch
 
 from miles.bridge.types import Sample
 from miles.config import SamplingParams
-from miles.rollout.engine import LocalEngine, sample_tokens
+from miles.rollout.local import LocalEngine
+from miles.rollout.sampling import sample_tokens
 from miles.train.batch import TrainBatch, response_log_probs
 from miles.utils.models import eos_token_ids, load_causal_lm, load_tokenizer
+
+
+def sp(max_new_tokens, temperature, top_p):
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
 
 
 def make_engine(path):
@@ -24,7 +29,7 @@ def uniforms(n, seed=0):
 
 def test_greedy_takes_the_argmax_and_reports_its_log_prob():
     logits = torch.tensor([[1.0, 3.0, 2.0]])
-    tok, logp = sample_tokens(logits, SamplingParams(1, 0.0, 1.0), None)
+    tok, logp = sample_tokens(logits, sp(1, 0.0, 1.0), None)
     assert tok.item() == 1
     assert logp.item() == pytest.approx(3 - math.log(math.e + math.e**3 + math.e**2), abs=1e-6)
 
@@ -32,25 +37,26 @@ def test_greedy_takes_the_argmax_and_reports_its_log_prob():
 def test_top_p_keeps_the_nucleus_and_reports_untruncated_log_probs():
     # probs [0.6, 0.3, 0.1]: top_p 0.5 keeps token 0 alone; top_p 0.8 keeps tokens 0 and 1.
     logits = torch.log(torch.tensor([[0.6, 0.3, 0.1]])).repeat(400, 1)
-    tok, logp = sample_tokens(logits, SamplingParams(1, 1.0, 0.5), uniforms(400))
+    tok, logp = sample_tokens(logits, sp(1, 1.0, 0.5), uniforms(400))
     assert set(tok.tolist()) == {0}
     assert logp[0].item() == pytest.approx(math.log(0.6), abs=1e-6)  # before truncation, as the trainer sees it
-    tok, _ = sample_tokens(logits, SamplingParams(1, 1.0, 0.8), uniforms(400, 1))
+    tok, _ = sample_tokens(logits, sp(1, 1.0, 0.8), uniforms(400, 1))
     assert set(tok.tolist()) == {0, 1}
     assert 0.6 < (tok == 0).float().mean().item() < 0.73  # renormalised: 0.6 / 0.9 = 0.667
 
 
 def test_inverse_cdf_sampling_follows_the_distribution_exactly():
     # u in [0, 0.5) -> token 0 (p 0.5); [0.5, 0.8) -> token 2 (token 1 has p 0); [0.8, 1) -> token 3.
+    # (The edges sit where exp(the float32 log-probs) put them, within 1e-7 of 0.5 and 0.8.)
     logits = torch.log(torch.tensor([[0.5, 0.0, 0.3, 0.2]])).repeat(6, 1)
-    u = torch.tensor([0.0, 0.49, 0.5, 0.79, 0.8, 0.999], dtype=torch.float64)
-    tok, _ = sample_tokens(logits, SamplingParams(1, 1.0, 1.0), u)
+    u = torch.tensor([0.0, 0.49, 0.500001, 0.79, 0.800001, 0.999], dtype=torch.float64)
+    tok, _ = sample_tokens(logits, sp(1, 1.0, 1.0), u)
     assert tok.tolist() == [0, 0, 2, 2, 3, 3]
 
 
 def test_temperature_scales_the_reported_log_probs():
     logits = torch.tensor([[2.0, 0.0]])
-    _, logp = sample_tokens(logits.repeat(200, 1), SamplingParams(1, 2.0, 1.0), uniforms(200))
+    _, logp = sample_tokens(logits.repeat(200, 1), sp(1, 2.0, 1.0), uniforms(200))
     expected = {round(math.log(math.e / (math.e + 1)), 5), round(math.log(1 / (math.e + 1)), 5)}
     assert {round(v, 5) for v in logp.tolist()} == expected  # logits / 2 = [1, 0]
 
@@ -58,7 +64,7 @@ def test_temperature_scales_the_reported_log_probs():
 def test_generation_stops_at_eos_or_length(tiny_model):
     engine, tok = make_engine(tiny_model)
     prompts = [tok("hello")["input_ids"], tok("a much longer prompt")["input_ids"]] * 8
-    outs = engine.generate(prompts, SamplingParams(40, 1.0, 1.0), list(range(16)))
+    outs = engine.generate(prompts, sp(40, 1.0, 1.0), list(range(16)))
     assert len(outs) == 16
     for out in outs:
         assert len(out.token_ids) == len(out.log_probs) <= 40
@@ -73,8 +79,8 @@ def test_generation_stops_at_eos_or_length(tiny_model):
 def test_same_seed_same_tokens(tiny_model):
     engine, tok = make_engine(tiny_model)
     prompts = [tok("hello")["input_ids"]] * 4
-    a = engine.generate(prompts, SamplingParams(10, 1.0, 1.0), [3, 4, 5, 6])
-    b = engine.generate(prompts, SamplingParams(10, 1.0, 1.0), [3, 4, 5, 6])
+    a = engine.generate(prompts, sp(10, 1.0, 1.0), [3, 4, 5, 6])
+    b = engine.generate(prompts, sp(10, 1.0, 1.0), [3, 4, 5, 6])
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert len({tuple(o.token_ids) for o in a}) > 1  # different streams, different samples
 
@@ -83,8 +89,8 @@ def test_a_samples_tokens_do_not_depend_on_its_batch(tiny_model):
     """Sample 0 alone, or in a batch with other (longer) prompts in another order: same tokens."""
     engine, tok = make_engine(tiny_model)
     p0, p1, p2 = (tok(t)["input_ids"] for t in ("hello", "a much longer prompt here", "mid size"))
-    alone = engine.generate([p0], SamplingParams(16, 1.0, 1.0), [7])[0]
-    batched = engine.generate([p1, p2, p0], SamplingParams(16, 1.0, 1.0), [8, 9, 7])[2]
+    alone = engine.generate([p0], sp(16, 1.0, 1.0), [7])[0]
+    batched = engine.generate([p1, p2, p0], sp(16, 1.0, 1.0), [8, 9, 7])[2]
     assert alone.token_ids == batched.token_ids
     assert alone.log_probs == pytest.approx(batched.log_probs, abs=1e-5)
 
@@ -97,7 +103,7 @@ def test_engine_log_probs_equal_trainer_log_probs_fp32(fixture, temperature, req
     path = request.getfixturevalue(fixture)
     engine, tok = make_engine(path)
     prompts = [tok(p)["input_ids"] for p in ["1+1=", "what is seven plus two?", "x"]] * 2
-    outs = engine.generate(prompts, SamplingParams(16, temperature, 1.0), list(range(len(prompts))))
+    outs = engine.generate(prompts, sp(16, temperature, 1.0), list(range(len(prompts))))
     samples = [Sample(group_index=i, index=i, prompt="", tokens=p + o.token_ids, response_length=len(o.token_ids),
                       loss_mask=[1] * len(o.token_ids), rollout_log_probs=o.log_probs)
                for i, (p, o) in enumerate(zip(prompts, outs))]
@@ -116,21 +122,102 @@ def test_update_weights_copies_into_the_engine(tiny_model):
     with torch.no_grad():
         for p in other.parameters():
             p.add_(1.0)
-    engine.update_weights(other.named_parameters())
+    engine.update_weights(other.named_parameters(), weight_version=3)
     for (name, a), (_, b) in zip(engine.model.named_parameters(), other.named_parameters()):
         assert torch.equal(a, b), name
     with pytest.raises(KeyError, match="no parameter named 'nope'"):
-        engine.update_weights([("nope", torch.zeros(1))])
+        engine.update_weights([("nope", torch.zeros(1))], weight_version=4)
+    tok = load_tokenizer(tiny_model)
+    out = engine.generate([tok("hi")["input_ids"]], sp(3, 1.0, 1.0), [0])[0]
+    assert out.weight_version == 3  # outputs carry the version of the weights that made them
 
 
 def test_decode_limits_stop_each_row_at_its_budget(tiny_model):
     engine, tok = make_engine(tiny_model)
     prompts = [tok("hello")["input_ids"], tok("abc")["input_ids"]]
     u = torch.rand(2, 10, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    outs = engine.decode(prompts, SamplingParams(10, 1.0, 1.0), u, limits=[3, 10])
+    outs = engine.decode(prompts, sp(10, 1.0, 1.0), u, limits=[3, 10])
     assert len(outs[0].token_ids) <= 3 and len(outs[0].log_probs) == len(outs[0].token_ids)
     if outs[0].finish_reason == "length":
         assert len(outs[0].token_ids) == 3
     # The limited row draws the same first tokens as it would with a full budget.
-    full = engine.decode(prompts, SamplingParams(10, 1.0, 1.0), u)
+    full = engine.decode(prompts, sp(10, 1.0, 1.0), u)
     assert full[0].token_ids[: len(outs[0].token_ids)] == outs[0].token_ids
+
+
+def test_sampling_at_a_large_vocabulary_follows_the_reported_distribution():
+    """At Qwen's 151,936 tokens with a long tail: the distribution the inverse CDF samples (each
+    token's CDF interval) equals exp(reported log-probs) to ~1e-12 in total variation, and every
+    token with positive mass can be drawn. A float32 CDF is ~1e-4 off and makes thousands of tail
+    tokens undrawable."""
+    from miles.rollout.sampling import sampling_cdf
+
+    vocab = 151_936
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, vocab, generator=gen) * 3
+    logits[:, :8] += 12  # a few likely tokens and a long tail, as a trained LM has
+    log_probs = torch.log_softmax(logits, dim=-1)
+    target = log_probs.double().exp()
+    target = target / target.sum(-1, keepdim=True)
+    cdf = sampling_cdf(log_probs, 1.0)
+    sampled = torch.diff(cdf, dim=-1, prepend=torch.zeros(4, 1, dtype=torch.float64)) / cdf[:, -1:]
+    tv = 0.5 * (sampled - target).abs().sum(-1)
+    assert tv.max().item() < 1e-9
+    assert ((sampled > 0) == (target > 0)).all()  # no tail token has a zero-width interval
+    # The bug this replaces: a float32 cumsum of the same probabilities.
+    cdf32 = log_probs.exp().cumsum(-1)
+    sampled32 = torch.diff(cdf32, dim=-1, prepend=torch.zeros(4, 1)).double() / cdf32[:, -1:].double()
+    assert (0.5 * (sampled32 - target).abs().sum(-1)).max().item() > 1e-5
+    assert ((sampled32 <= 0) & (target > 0)).sum().item() > 1000
+
+
+def test_large_vocabulary_draws_land_in_the_tail_at_the_tail_rate():
+    from miles.rollout.sampling import sampling_cdf
+
+    vocab = 151_936
+    logits = torch.zeros(1, vocab)
+    logits[0, 0] = 12.0  # token 0 takes ~52% of the mass; 151,935 tail tokens share the rest
+    log_probs = torch.log_softmax(logits, dim=-1)
+    tail_mass = 1 - log_probs[0, 0].double().exp().item()
+    n = 512
+    u = torch.rand(n, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    tokens, _ = sample_tokens(logits.expand(n, -1), sp(1, 1.0, 1.0), u)
+    tail = (tokens > 0).double().mean().item()
+    assert abs(tail - tail_mass) < 4 * math.sqrt(tail_mass * (1 - tail_mass) / n)
+    assert tokens.max().item() > vocab - 2000  # the far end of the tail is reachable
+
+
+def eager_decode(model, prompts, sampling, uniforms, eos, pad):
+    """The reference the KV-cache loop must match: no cache, the whole sequence re-run every token."""
+    outputs = []
+    for prompt, u in zip(prompts, uniforms):
+        seq, logps = list(prompt), []
+        for t in range(uniforms.shape[1]):
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([seq])).logits[:, -1]
+            tok, logp = sample_tokens(logits, sampling, u[t:t + 1])
+            seq.append(int(tok))
+            logps.append(float(logp))
+            if int(tok) in eos:
+                break
+        outputs.append((seq[len(prompt):], logps))
+    return outputs
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])
+def test_kv_cache_decode_matches_the_eager_reference(tiny_model, cache, temperature, top_p):
+    """Left-padded batch, KV cache (dynamic, or static at its final shape from the start), per-row
+    stop: the same tokens as decoding each prompt alone without a cache, log-probs within fp32 noise."""
+    plain, tok = make_engine(tiny_model)
+    engine = LocalEngine(plain.model, eos_token_ids=plain.eos_token_ids, pad_token_id=tok.pad_token_id, cache=cache)
+    prompts = [tok(t)["input_ids"] for t in ("hello", "a much longer prompt", "x", "what is seven plus two?")] * 4
+    sampling = sp(40, temperature, top_p)
+    u = torch.rand(len(prompts), 40, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    got = engine.decode(prompts, sampling, u)
+    want = eager_decode(engine.model, prompts, sampling, u, set(engine.eos_token_ids), tok.pad_token_id)
+    for out, (tokens, logps) in zip(got, want):
+        assert out.token_ids == tokens
+        assert out.log_probs == pytest.approx(logps, abs=1e-5)
+        assert out.finish_reason == ("stop" if tokens[-1] in engine.eos_token_ids else "length")
+    assert {o.finish_reason for o in got} == {"stop", "length"} or temperature == 0

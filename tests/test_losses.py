@@ -111,8 +111,20 @@ def test_aggregate_is_accumulation_invariant():
     per_token = torch.randn(8, 5)
     mask = (torch.rand(8, 5) > 0.3).float()
     mask[:, 0] = 1
-    whole = aggregate(per_token, mask, 8)
-    parts = sum(aggregate(per_token[i : i + 2], mask[i : i + 2], 8) for i in range(0, 8, 2))
+    whole = aggregate(per_token, mask, samples_in_batch=8)
+    parts = sum(aggregate(per_token[i : i + 2], mask[i : i + 2], samples_in_batch=8) for i in range(0, 8, 2))
     assert whole.item() == pytest.approx(parts.item(), abs=1e-6)
     # And it is the mean over samples of each sample's token mean.
     assert whole.item() == pytest.approx(masked_mean(per_token, mask, dim=-1).mean().item(), abs=1e-6)
+
+
+def test_per_token_aggregate_by_hand():
+    # Sample 0: tokens [1, 3] (2 trained); sample 1: token [8] (1 trained, 1 masked).
+    per_token = T([[1.0, 3.0], [8.0, 100.0]])
+    mask = T([[1.0, 1.0], [1.0, 0.0]])
+    # Per token (DAPO): (1 + 3 + 8) / 3 tokens = 4; per sample (GRPO): (2 + 8) / 2 samples = 5.
+    assert aggregate(per_token, mask, samples_in_batch=2, tokens_in_batch=3).item() == pytest.approx(4.0)
+    assert aggregate(per_token, mask, samples_in_batch=2).item() == pytest.approx(5.0)
+    # Accumulated over micro-batches of one sample, each divided by the global batch's token count.
+    parts = [aggregate(per_token[i:i + 1], mask[i:i + 1], samples_in_batch=2, tokens_in_batch=3) for i in (0, 1)]
+    assert sum(p.item() for p in parts) == pytest.approx(4.0)

@@ -22,14 +22,13 @@ def test_rollout_only_builds_no_trainer(tiny_args, tmp_path):
 
     from miles.cli.train import prepare
     from miles.config import build_configs
-    from miles.train_loop import build_components
+    from miles.loop import build_components
 
     args = build_parser().parse_args(tiny_args + ["--debug-rollout-only"])
     data, reward_fn = prepare(args)
-    model_cfg, rollout_cfg, train_cfg, run_cfg = build_configs(args)
     gc.collect()
     before = {id(o) for o in gc.get_objects() if isinstance(o, CausalLM)}
-    c = build_components(model_cfg, rollout_cfg, train_cfg, run_cfg, data, reward_fn)
+    c = build_components(build_configs(args), data, reward_fn)
     gc.collect()
     models = [o for o in gc.get_objects() if isinstance(o, CausalLM) and id(o) not in before]
     assert c.trainer is None and c.engine is not None

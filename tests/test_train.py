@@ -2,6 +2,10 @@
 
 import json
 import math
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -56,7 +60,7 @@ def test_two_step_run(tiny_args, tiny_model):
     AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step_2")
     AutoTokenizer.from_pretrained(out / "checkpoints" / "step_2")
     state = torch.load(out / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=True)
-    assert state["step"] == 2 and state["data"] == {"epoch": 0, "offset": 8}
+    assert state["step"] == 2 and state["data"]["rows"] == 16 and len(state["data"]["sha256"]) == 16
 
 
 def test_kl_is_exactly_zero_at_step_one(tiny_args, tiny_model):
@@ -81,11 +85,38 @@ def test_resume_continues_the_step_count_and_the_run(tiny_args, tmp_path):
         assert resumed[0][key] == pytest.approx(full[2][key], rel=1e-5, abs=1e-7), key
 
 
-def test_gradient_accumulation_is_invariant(tiny_args, tmp_path):
-    one = metrics(run(tiny_args, "--num-rollout", "1", "--micro-batch-size", "16", "--output-dir", str(tmp_path / "a")))
-    many = metrics(run(tiny_args, "--num-rollout", "1", "--micro-batch-size", "2", "--output-dir", str(tmp_path / "b")))
+@pytest.fixture
+def varied_args(tiny_args, tmp_path):
+    """Raw prompts on which the tiny model stops at EOS in some responses and not in others, so
+    response lengths differ (and the two loss aggregations give different numbers)."""
+    data = tmp_path / "varied.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"a much longer prompt {i}", "label": "1"}) + "\n" for i in range(4)))
+    argv = list(tiny_args)
+    argv[argv.index("--prompt-data") + 1] = str(data)
+    return argv + ["--no-apply-chat-template", "--num-rollout", "1", "--rollout-max-response-len", "40"]
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_gradient_accumulation_is_invariant(varied_args, tmp_path, per_token):
+    flags = ["--calculate-per-token-loss"] if per_token else []
+    one = metrics(run(varied_args, *flags, "--micro-batch-size", "16", "--output-dir", str(tmp_path / "a")))
+    many = metrics(run(varied_args, *flags, "--micro-batch-size", "2", "--output-dir", str(tmp_path / "b")))
     for key in ("train/loss", "train/grad_norm", "train/entropy"):
         assert one[0][key] == pytest.approx(many[0][key], rel=1e-4, abs=1e-6), key
+
+
+def test_per_token_loss_weights_tokens_not_samples(varied_args, tmp_path):
+    """Same rollout, two aggregations: the entropy (a plain mean) is the per-token mean over all
+    trained tokens in one and the mean of per-sample means in the other; they differ when lengths do."""
+    dump = ["--save-debug-rollout-data", str(tmp_path / "d" / "data_{rollout_id}.pt")]
+    sample_mean = metrics(run(varied_args, *dump, "--output-dir", str(tmp_path / "a")))[0]
+    token_mean = metrics(run(varied_args, "--calculate-per-token-loss", "--output-dir", str(tmp_path / "b")))[0]
+    samples = torch.load(tmp_path / "d" / "data_0.pt", weights_only=True)["samples"]
+    lengths = [s["response_length"] for s in samples]
+    assert len(set(lengths)) > 1  # the comparison needs responses of different lengths
+    assert sample_mean["rollout/reward_mean"] == token_mean["rollout/reward_mean"]  # the same rollout
+    assert token_mean["train/entropy"] != pytest.approx(sample_mean["train/entropy"], rel=1e-3)
+    assert token_mean["train/grad_norm"] != pytest.approx(sample_mean["train/grad_norm"], rel=1e-3)
 
 
 def test_several_optimizer_steps_per_rollout(tiny_args):
@@ -100,6 +131,17 @@ def test_other_estimators_train(tiny_args, estimator):
     assert all(r["train/grad_norm"] > 0 for r in rows)
 
 
+def test_gspo_clips_whole_sequences(tiny_args, tmp_path):
+    """GSPO and GRPO differ only in the ratio: off-policy (the second optimizer step of a rollout) a
+    tight clip range clips whole samples under GSPO, single tokens under GRPO."""
+    flags = ["--num-rollout", "1", "--num-steps-per-rollout", "2", "--eps-clip", "0.001", "--lr", "1e-2"]
+    grpo = metrics(run(tiny_args, *flags, "--output-dir", str(tmp_path / "grpo")))[0]
+    gspo = metrics(run(tiny_args, *flags, "--advantage-estimator", "gspo", "--output-dir", str(tmp_path / "gspo")))[0]
+    assert grpo["rollout/advantages"] == gspo["rollout/advantages"]  # same advantages: the ratio alone differs
+    assert gspo["train/pg_clipfrac"] != pytest.approx(grpo["train/pg_clipfrac"], abs=1e-3)
+    assert gspo["train/grad_norm"] != pytest.approx(grpo["train/grad_norm"], rel=1e-3)
+
+
 def test_tis_metrics(tiny_args):
     rows = metrics(run(tiny_args, "--use-tis", "--tis-clip", "1.5"))
     assert all(r["train/tis_mean"] == pytest.approx(1.0, abs=1e-4) for r in rows)  # fp32: engine == trainer
@@ -108,20 +150,107 @@ def test_tis_metrics(tiny_args):
 
 def test_tensorboard_sink(tiny_args):
     pytest.importorskip("tensorboard")
-    out = run(tiny_args, "--use-tensorboard", "--num-rollout", "1")
-    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = run(tiny_args, "--use-tensorboard")
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    rows = metrics(out)
+    for key in ("train/loss", "rollout/reward_mean", "train/grad_norm"):
+        scalars = events.Scalars(key)
+        assert [e.step for e in scalars] == [1, 2]
+        assert [e.value for e in scalars] == pytest.approx([r[key] for r in rows], rel=1e-6), key
+
+
+def wandb_history(run_dir: Path) -> list[dict]:
+    """The rows logged to an offline W&B run, read back from its .wandb transaction log: a 7-byte
+    file header, then LevelDB-log records (7-byte header: crc, length, type) in 32 KiB blocks, each
+    a protobuf `Record`."""
+    (log,) = (run_dir / "wandb").glob("offline-run-*/*.wandb")
+    for _ in range(100):  # W&B's service process finishes writing the log after wandb.finish() returns
+        rows, done = _wandb_records(log.read_bytes())
+        if done:
+            return rows
+        time.sleep(0.1)
+    raise AssertionError(f"{log} never got its exit record")
+
+
+def _wandb_records(data: bytes) -> tuple[list[dict], bool]:
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    pos, block, records, part = 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if left < 7 or (length == 0 and kind == 0):  # block padding
+            pos += left
+            continue
+        part += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST: a whole record
+            records.append(part)
+            part = b""
+    rows, done = [], False
+    for raw in records:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item})
+        done = done or kind == "exit"
+    return rows, done
 
 
 def test_wandb_offline_sink(tiny_args, tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    out = run(tiny_args, "--use-wandb", "--num-rollout", "1")
-    runs = list((out / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    out = run(tiny_args, "--use-wandb")
+    logged, rows = wandb_history(out), metrics(out)
+    assert [r["_step"] for r in logged] == [1, 2]
+    for key in ("train/loss", "rollout/reward_mean"):
+        assert [r[key] for r in logged] == pytest.approx([r[key] for r in rows], rel=1e-9), key
+
+
+def test_wandb_without_credentials_logs_offline(tiny_args, tmp_path):
+    pytest.importorskip("wandb")
+    # A fresh process (W&B keeps its settings per process) with no key and no stored login (~/.netrc).
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", "WANDB_API_KEY")}
+    env.update(HOME=str(tmp_path / "home"), WANDB_SILENT="true")
+    r = subprocess.run([sys.executable, "-m", "miles", *tiny_args, "--use-wandb", "--num-rollout", "1"],
+                       capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = tmp_path / "run"
+    log = (out / "train.log").read_text()
+    assert "--use-wandb: No API key configured" in log and "logging offline to" in log and "wandb sync" in log
+    assert [r["_step"] for r in wandb_history(out)] == [1]
 
 
 def test_reinforce_plus_plus_with_one_sample_per_prompt(tiny_args):
     rows = metrics(run(tiny_args, "--advantage-estimator", "reinforce_plus_plus", "--n-samples-per-prompt", "1",
                        "--rollout-batch-size", "8"))
     assert all(math.isfinite(r["train/loss"]) and r["train/grad_norm"] > 0 for r in rows)
+
+
+def test_without_a_terminal_long_phases_log_plain_progress_lines(tiny_args, monkeypatch):
+    from miles.utils import progress
+
+    monkeypatch.setattr(progress, "PLAIN_INTERVAL_S", 0.0)  # every update is "N seconds later"
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    log = (run(tiny_args, "--num-rollout", "1") / "train.log").read_text()
+    assert "INFO rollout 0 generating: 12/12 tokens, " in log
+    assert "INFO training: 4/4 micro-batches, " in log
+
+
+def test_a_closed_stdout_pipe_does_not_stop_or_clutter_the_run(tiny_args):
+    """`miles train ... | head -1`: the run goes on, train.log gets every line, stderr stays clean."""
+    proc = subprocess.Popen([sys.executable, "-m", "miles", *tiny_args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 0 and err == ""
+    out = Path(tiny_args[tiny_args.index("--output-dir") + 1])
+    assert "Done: 2 steps" in (out / "train.log").read_text()

@@ -4,12 +4,25 @@ sampled from exactly those probabilities."""
 import pytest
 import torch
 
-from miles.config import SamplingParams
-from miles.rollout.engine import sample_tokens
-from miles.rollout.true_on_policy import TrainerComputationVerifier
-from miles.train.batch import TrainBatch, score_rollout
-from test_engine import make_engine
+import functools
+import contextlib
+
+from miles.rollout.local import LocalEngine
+from miles.rollout.local.true_on_policy import TrainerComputationVerifier
+from miles.rollout.sampling import sample_tokens
+from miles.train.batch import TrainBatch, score_rollout, score_sequences
+from test_engine import make_engine, sp
 from test_train import metrics, run
+
+
+def verifying_engine(path, micro_batch_size):
+    """A local engine that checks its rollouts against the trainer's scoring (as the loop builds it)."""
+    plain, tok = make_engine(path)
+    score = functools.partial(score_sequences, micro_batch_size=micro_batch_size, temperature=1.0,
+                              pad_token_id=tok.pad_token_id, autocast=contextlib.nullcontext)
+    engine = LocalEngine(plain.model, eos_token_ids=plain.eos_token_ids, pad_token_id=tok.pad_token_id,
+                         verifier=TrainerComputationVerifier(score))
+    return engine, tok
 
 
 def test_engine_and_trainer_log_probs_are_bitwise_equal(tiny_args):
@@ -24,11 +37,9 @@ def test_engine_and_trainer_log_probs_are_bitwise_equal(tiny_args):
 
 
 def test_every_token_is_the_draw_from_the_reported_distribution(tiny_model):
-    engine, tok = make_engine(tiny_model)
-    verifier = TrainerComputationVerifier(micro_batch_size=4, temperature=1.0, pad_token_id=tok.pad_token_id)
-    engine.verifier = verifier
+    engine, tok = verifying_engine(tiny_model, micro_batch_size=4)
     prompts = [tok(t)["input_ids"] for t in ("hello", "what is two plus two?", "x", "abc")] * 2
-    sampling = SamplingParams(16, 1.0, 1.0)
+    sampling = sp(16, 1.0, 1.0)
     seeds = list(range(8))
     outs = engine.generate(prompts, sampling, seeds)
 
@@ -51,25 +62,22 @@ def test_every_token_is_the_draw_from_the_reported_distribution(tiny_model):
 def test_a_disagreeing_token_is_redrawn_and_decoding_resumes(tiny_model, monkeypatch):
     """Plant a disagreement: the KV-cache decode samples one token wrongly; the check must catch
     it, keep the trainer-computation draw and decode on from there."""
-    from miles.rollout import engine as engine_module
+    engine, tok = verifying_engine(tiny_model, micro_batch_size=2)
+    honest = engine.generate([tok("hello")["input_ids"]], sp(12, 1.0, 1.0), [5])[0]
 
-    engine, tok = make_engine(tiny_model)
-    engine.verifier = TrainerComputationVerifier(micro_batch_size=2, temperature=1.0, pad_token_id=tok.pad_token_id)
-    honest = engine.generate([tok("hello")["input_ids"]], SamplingParams(12, 1.0, 1.0), [5])[0]
-
-    original = engine_module.LocalEngine.decode
+    original = LocalEngine.decode
     calls = []
 
-    def faulty(self, prompts, sampling, uniforms, on_step=None, limits=None):
-        outs = original(self, prompts, sampling, uniforms, on_step, limits)
+    def faulty(self, prompts, sampling, uniforms, progress=None, limits=None):
+        outs = original(self, prompts, sampling, uniforms, progress, limits)
         if not calls:  # the first decode: corrupt token 3 of the response
             outs[0].token_ids[3] = (outs[0].token_ids[3] + 1) % 90 + 4
         calls.append(1)
         return outs
 
-    monkeypatch.setattr(engine_module.LocalEngine, "decode", faulty)
-    fixed = engine.generate([tok("hello")["input_ids"]], SamplingParams(12, 1.0, 1.0), [5])[0]
-    assert engine.verifier.last_redrawn == 1 and len(calls) == 2
+    monkeypatch.setattr(LocalEngine, "decode", faulty)
+    fixed = engine.generate([tok("hello")["input_ids"]], sp(12, 1.0, 1.0), [5])[0]
+    assert fixed.redrawn == 1 and honest.redrawn == 0 and len(calls) == 2
     assert fixed.token_ids == honest.token_ids and fixed.log_probs == honest.log_probs
 
 

@@ -1,4 +1,4 @@
-"""Rollout dumps: `--save-debug-rollout-data` writes them, `--load-debug-rollout-data` replays them.
+"""Rollout dumps: the `Sample`s of one rollout on disk (`--save-debug-rollout-data`), and reading them back.
 
 One file per rollout id, written atomically, readable with `torch.load(path, weights_only=True)`:
 
@@ -6,23 +6,22 @@ One file per rollout id, written atomically, readable with `torch.load(path, wei
 
 Dumps written by Miles or slime (`{"rollout_id", "samples": [Sample.to_dict()]}`) load too: their
 extra fields are ignored and the ones miles needs but they may lack (loss masks, group indices,
-engine log-probs) are filled in or reported as missing.
+engine log-probs) are filled in or reported as missing. `miles.rollout.replay.ReplaySource` replays
+them as a rollout source; `miles inspect-rollout` and `miles report` read them.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from miles.bridge.types import Sample
-from miles.debug.templates import dump_path
+from miles.bridge.dump_paths import dump_path
 from miles.errors import UsageError
-from miles.utils.io import readable_mode
+from miles.utils.io import atomic_path
 
 logger = logging.getLogger("miles")
 
@@ -32,18 +31,10 @@ LOAD_FLAG = "--load-debug-rollout-data"
 
 def save_rollout(template: str, rollout_id: int, samples: list[Sample], metadata: dict[str, Any]) -> Path:
     path = dump_path(template, rollout_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": FORMAT, "rollout_id": rollout_id, "samples": [s.to_dict() for s in samples],
                "metadata": metadata}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:  # a reader never sees a half-written dump
         torch.save(payload, tmp)
-        os.chmod(tmp, readable_mode())
-        os.replace(tmp, path)  # a reader never sees a half-written dump
-    except BaseException:
-        os.unlink(tmp)
-        raise
     return path
 
 
@@ -101,8 +92,22 @@ def _to_sample(d: Any, i: int, path: Path, n_samples_per_prompt: int) -> Sample:
         loss_mask=list(d["loss_mask"]) if d.get("loss_mask") is not None else [1] * response_length,
         rollout_log_probs=list(log_probs),
         status=str(d.get("status") or "completed"),
+        weight_version=_weight_version(d),
         metadata=d.get("metadata") or {},
     )
+
+
+def _weight_version(d: dict) -> int | None:
+    """miles' `weight_version`; slime's `weight_versions` lists one per turn: the first made the response."""
+    if isinstance(d.get("weight_version"), int):
+        return d["weight_version"]
+    versions = d.get("weight_versions")
+    if isinstance(versions, list) and versions:
+        try:
+            return int(versions[0])
+        except (TypeError, ValueError):
+            return None
+    return None
 
 
 def _plain(value: Any) -> Any:
@@ -121,33 +126,3 @@ def check_fits(samples: list[Sample], path: Path, *, vocab_size: int, expected: 
     if any(len(s.rollout_log_probs) != s.response_length for s in samples) and needs_log_probs:
         raise UsageError(f"{path}: samples have no engine log-probs (rollout_log_probs), which --use-tis needs; "
                          f"drop --use-tis or re-capture with miles")
-
-
-class ReplaySource:
-    """Stands in for the rollout side: rollout i is read from the dump file for id i."""
-
-    def __init__(self, template: str, *, vocab_size: int, rollout_batch_size: int, n_samples_per_prompt: int,
-                 needs_log_probs: bool):
-        self.template = template
-        self.vocab_size = vocab_size
-        self.expected = rollout_batch_size * n_samples_per_prompt
-        self.n_samples_per_prompt = n_samples_per_prompt
-        self.needs_log_probs = needs_log_probs
-        self.last_stats: dict[str, float] = {}
-
-    def check_all(self, rollout_ids: range) -> None:
-        """Fails before training starts if any file is missing; the first one is fully checked."""
-        for rollout_id in rollout_ids:
-            path = dump_path(self.template, rollout_id)
-            if not path.is_file():
-                raise UsageError(f"{LOAD_FLAG}: no dump for rollout {rollout_id}: {path} does not exist; capture "
-                                 f"it with --debug-rollout-only --save-debug-rollout-data, or lower --num-rollout")
-        if len(rollout_ids):
-            self.generate(rollout_ids[0])
-
-    def generate(self, rollout_id: int) -> list[Sample]:
-        path = dump_path(self.template, rollout_id)
-        samples = samples_from_dump(read_dump(path), path, self.n_samples_per_prompt)
-        check_fits(samples, path, vocab_size=self.vocab_size, expected=self.expected,
-                   needs_log_probs=self.needs_log_probs)
-        return samples

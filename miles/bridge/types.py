@@ -1,14 +1,18 @@
-"""The one type that crosses from the rollout side to the training side.
+"""What crosses between the two sides: `Sample`s to training, results back to the loop.
 
 A `Sample` is plain data (ints, floats, strings, lists, dicts): no tensors and no torch import,
 so rollout dumps stay loadable with `torch.load(weights_only=True)` and the rollout side can live
-in another process or on another machine.
+in another process or on another machine. A `RolloutBatch` is what a `RolloutSource` returns for
+one rollout id; a `TrainResult` is what `Trainer.train` returns for it.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Status:
@@ -32,6 +36,7 @@ class Sample:
     loss_mask: list[int] = field(default_factory=list)  # (response_length,) 1 = trained on
     rollout_log_probs: list[float] = field(default_factory=list)  # (response_length,) engine log p
     status: str = Status.COMPLETED
+    weight_version: int | None = None  # optimizer steps behind the weights that generated it (None: unknown)
     metadata: dict[str, Any] = field(default_factory=dict)  # free-form: data row extras, seeds, ...
 
     @property
@@ -44,3 +49,46 @@ class Sample:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def mean_rollout_log_prob(samples: list[Sample]) -> float | None:
+    """The engine's mean log-prob per trained token (loss_mask 1) over `samples`; None without any.
+
+    The one definition behind `rollout/rollout_log_probs`, the printed samples, inspect-rollout
+    and the rollout-only coherence check.
+    """
+    total, count = 0.0, 0
+    for s in samples:
+        for lp, m in zip(s.rollout_log_probs, s.loss_mask):
+            if m:
+                total += lp
+                count += 1
+    return total / count if count else None
+
+
+@dataclass
+class RolloutBatch:
+    """One rollout: its samples, group by group, and the side's own measurements (perf/..., rollout/...)."""
+
+    samples: list[Sample]
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class StepDiagnostics:
+    """Per-token tensors (B, R) of one rollout's scoring, for the alignment check."""
+
+    old_log_probs: torch.Tensor  # the policy's, before any update
+    ref_log_probs: torch.Tensor | None
+    rollout_log_probs: torch.Tensor | None  # None when the samples carry no engine log-probs
+    mask: torch.Tensor
+    recompute_max_diff: float  # max |log-prob in the first training forward - old_log_probs|
+
+
+@dataclass
+class TrainResult:
+    """What `Trainer.train` returns for one rollout."""
+
+    metrics: dict[str, float]  # train/..., rollout/log_probs and the trainer/engine gap
+    diagnostics: StepDiagnostics
+    hashes: dict[str, str] = field(default_factory=dict)  # with --debug-determinism: the training side's digests

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from miles.cli.train_args import add_train_args, validate_train_args
@@ -43,6 +44,19 @@ def resolve_device(args: argparse.Namespace) -> None:
         args.precision = "bf16" if args.device == "cuda" else "fp32"
 
 
+PATH_FLAGS = ("hf_checkpoint", "ref_load", "load", "save", "output_dir", "prompt_data", "save_debug_rollout_data",
+              "load_debug_rollout_data")
+
+
+def resolve_paths(args: argparse.Namespace) -> None:
+    """Makes every path flag absolute, once: config.json then names the same files from any working
+    directory (`miles report`, `miles doctor`, a resume started elsewhere)."""
+    for flag in PATH_FLAGS:
+        value = getattr(args, flag)
+        if value is not None:
+            setattr(args, flag, os.path.abspath(os.path.expanduser(value)))
+
+
 def prepare(args: argparse.Namespace):
     """Checks and resolves the flags, loads the prompt data and the reward function.
 
@@ -50,6 +64,7 @@ def prepare(args: argparse.Namespace):
     """
     validate_train_args(args)
     resolve_data_args(args)
+    resolve_paths(args)
     data = reward_fn = None
     if args.load_debug_rollout_data is None:  # a replay takes prompts and rewards from the dumps
         data = load_prompt_data(args.prompt_data, args.input_key, args.label_key)
@@ -64,16 +79,30 @@ def prepare(args: argparse.Namespace):
     return data, reward_fn
 
 
+def run_config(args: argparse.Namespace, path: Path) -> dict:
+    """config.json: every resolved flag of this invocation, the command line that started the run
+    (kept when a run is resumed into its own directory) and every invocation since, in order."""
+    import json
+    from datetime import datetime
+
+    previous = json.loads(path.read_text()) if path.is_file() else {}
+    invocation = {"command_line": args.command_line, "started": datetime.now().isoformat(timespec="seconds"),
+                  "load": args.load}
+    flags = {k: v for k, v in vars(args).items() if k not in ("run", "command_line")}
+    return {**flags, "command_line": previous.get("command_line", args.command_line),
+            "invocations": previous.get("invocations", []) + [invocation]}
+
+
 def run(args: argparse.Namespace) -> int:
     data, reward_fn = prepare(args)
     from miles.config import build_configs
-    from miles.train_loop import run_training
+    from miles.loop import run_training
     from miles.utils.io import atomic_write_json
     from miles.utils.logging import close_logging, setup_logging
 
     output_dir = Path(args.output_dir)
     setup_logging(output_dir)
-    config = {k: v for k, v in vars(args).items() if k != "run"}
+    config = run_config(args, output_dir / "config.json")
     atomic_write_json(output_dir / "config.json", config)
     if data is not None and data.missing_labels:
         import logging
@@ -81,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("miles").warning("%d of %d rows of %s have no %r label: their reward is 0",
                                            data.missing_labels, len(data.records), data.path, args.label_key)
     try:
-        run_training(*build_configs(args), data=data, reward_fn=reward_fn, config=config)
+        run_training(build_configs(args), data=data, reward_fn=reward_fn, config=config)
     finally:
         close_logging()
     return 0

@@ -11,17 +11,19 @@ import os
 from pathlib import Path
 
 from miles.errors import UsageError
+from miles.rollout.rewards import RM_TYPES  # torch-free: the reward names, without their libraries
 
-ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus")
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
-ATTENTION_BACKENDS = ("sdpa", "eager", "flash")
+# Choice lists, torch-free; tests/test_cli.py checks each equals the registry it names.
+ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus")  # miles.train.advantages.ADVANTAGE_ESTIMATORS
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")  # miles.train.losses.KL_ESTIMATORS
+ATTENTION_BACKENDS = ("sdpa", "eager", "flash")  # miles.utils.models.ATTENTION_IMPLEMENTATIONS
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and checkpoints")
     g.add_argument("--hf-checkpoint", metavar="DIR", help="HF causal LM + tokenizer dir (default: the demo model, SmolLM2-135M-Instruct)")
     g.add_argument("--ref-load", metavar="DIR", help="reference model for the KL (default: the initial policy)")
-    g.add_argument("--load", metavar="DIR", help="resume from the latest complete checkpoint under DIR (a run's checkpoints/ or one step_N)")
+    g.add_argument("--load", metavar="DIR", help="resume from the latest complete checkpoint under DIR (a run dir, its checkpoints/, or one step_N)")
     g.add_argument("--save", metavar="DIR", help="where checkpoints go (default: OUTPUT_DIR/checkpoints)")
     g.add_argument("--save-interval", type=int, metavar="N", help="save every N rollout steps (the last step is always saved)")
     g.add_argument("--output-dir", metavar="DIR", help="run directory (default: runs/<timestamp>)")
@@ -41,7 +43,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rollout-max-response-len", type=int, default=24, help="max new tokens per response (default: 24)")
     g.add_argument("--rollout-temperature", type=float, default=0.7, help="sampling temperature; 0 is greedy (default: 0.7)")
     g.add_argument("--rollout-top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
-    g.add_argument("--rm-type", default=None, help="reward function: math, exact (default: math)")
+    g.add_argument("--rm-type", default=None, choices=RM_TYPES, help=f"reward function: {', '.join(RM_TYPES)} "
+                   "(default: math; see miles/rollout/rewards.py for what each accepts)")
     g.add_argument("--custom-rm-path", metavar="MODULE:FUNCTION", help="custom reward, fn(sample) -> float (async allowed)")
 
     g = p.add_argument_group("training")
@@ -61,6 +64,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kl-loss-type", choices=KL_TYPES, default="k1", help="KL estimator (default: k1)")
     g.add_argument("--use-tis", action="store_true", help="truncated importance sampling on the trainer/engine ratio")
     g.add_argument("--tis-clip", type=float, default=2.0, help="upper clip of the TIS weight (default: 2.0)")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="loss summed over every response token of the global batch and divided by their count "
+                        "(DAPO; TRL loss_type=dapo) instead of each sample's mean averaged over samples (TRL grpo)")
     g.add_argument("--seed", type=int, default=42)
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="sdpa",
                    help="attention kernels of trainer and engine; flash needs flash-attn (default: sdpa)")
@@ -125,24 +131,7 @@ def validate_train_args(args: argparse.Namespace) -> None:
     if not 0 < args.rollout_top_p <= 1:
         raise UsageError(f"--rollout-top-p must be in (0, 1] (got {args.rollout_top_p})")
 
-    n_samples = args.rollout_batch_size * args.n_samples_per_prompt
-    steps, gbs = args.num_steps_per_rollout, args.global_batch_size
-    if steps is None and gbs is None:
-        steps, gbs = 1, n_samples
-    elif gbs is None:
-        gbs = n_samples // steps
-    elif steps is None:
-        steps = n_samples // gbs
-    if gbs * steps != n_samples or gbs == 0:
-        raise UsageError(
-            f"--global-batch-size {gbs} x --num-steps-per-rollout {steps} must equal the samples of a rollout, "
-            f"--rollout-batch-size x --n-samples-per-prompt = {n_samples}")
-    if gbs % args.n_samples_per_prompt:
-        raise UsageError(f"--global-batch-size {gbs} must hold whole groups of --n-samples-per-prompt {args.n_samples_per_prompt}")
-    args.num_steps_per_rollout, args.global_batch_size = steps, gbs
-    args.micro_batch_size = min(args.micro_batch_size, gbs)
-    if gbs % args.micro_batch_size:
-        raise UsageError(f"--micro-batch-size {args.micro_batch_size} must divide --global-batch-size {gbs}")
+    _check_batch_sizes(args)
     if args.eps_clip_high is None:
         args.eps_clip_high = args.eps_clip
     if args.advantage_estimator in ("grpo", "gspo") and args.n_samples_per_prompt < 2:
@@ -171,8 +160,35 @@ def validate_train_args(args: argparse.Namespace) -> None:
         _require("wandb", "--use-wandb")
 
 
+def _check_batch_sizes(args: argparse.Namespace) -> None:
+    """Derives whichever of --global-batch-size / --num-steps-per-rollout was not given; an error
+    names a derived value as derived, so the user is not told about a flag they never passed."""
+    n_samples = args.rollout_batch_size * args.n_samples_per_prompt
+    steps, gbs = args.num_steps_per_rollout, args.global_batch_size
+    gbs_text = f"--global-batch-size {gbs}"
+    steps_text = f"--num-steps-per-rollout {steps}"
+    if steps is None and gbs is None:
+        steps, gbs = 1, n_samples
+        gbs_text = f"the global batch ({gbs}: every sample of a rollout, as --global-batch-size is not given)"
+    elif gbs is None:
+        gbs = n_samples // steps
+        gbs_text = f"the global batch ({gbs}, derived from {n_samples} samples // --num-steps-per-rollout {steps})"
+    elif steps is None:
+        steps = n_samples // gbs
+        steps_text = f"the derived step count {steps} ({n_samples} samples // --global-batch-size {gbs})"
+    if gbs * steps != n_samples or gbs == 0:
+        raise UsageError(f"{gbs_text} x {steps_text} must equal the samples of a rollout, "
+                         f"--rollout-batch-size x --n-samples-per-prompt = {n_samples}")
+    if gbs % args.n_samples_per_prompt:
+        raise UsageError(f"{gbs_text} must hold whole groups of --n-samples-per-prompt {args.n_samples_per_prompt}")
+    args.num_steps_per_rollout, args.global_batch_size = steps, gbs
+    args.micro_batch_size = min(args.micro_batch_size, gbs)
+    if gbs % args.micro_batch_size:
+        raise UsageError(f"--micro-batch-size {args.micro_batch_size} must divide {gbs_text}")
+
+
 def _check_debug_flags(args: argparse.Namespace) -> None:
-    from miles.debug.templates import check_template
+    from miles.bridge.dump_paths import check_template
 
     if args.load_debug_rollout_data is not None:
         check_template(args.load_debug_rollout_data, "--load-debug-rollout-data")

@@ -13,6 +13,7 @@ some rows only is reported to the caller through `PromptData.missing_labels`.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import random
 from dataclasses import dataclass, field
@@ -183,11 +184,12 @@ def render_prompt(prompt: str | list[dict], tokenizer: Any, apply_chat_template:
 
 
 class PromptDataset:
-    """Endless walk over the records in batches, epoch after epoch, resumable.
+    """Endless walk over the records, epoch after epoch, as a pure function of the rollout id.
 
-    The position is just (epoch, offset): the order of an epoch is a pure function of
-    (seed, epoch), so a checkpoint need not store the permutation, and a resumed run draws
-    exactly the batches an uninterrupted run would have drawn.
+    Rollout i takes records [i * n, (i + 1) * n) of the endless sequence epoch 0, epoch 1, ...,
+    where the order of an epoch is a pure function of (seed, epoch). So no position needs to be
+    carried from one rollout to the next: a resumed run, or a worker that makes rollout i + 1
+    ahead of time, draws exactly the prompts an uninterrupted run would have drawn.
     """
 
     def __init__(self, records: list[PromptRecord], *, shuffle: bool, seed: int):
@@ -196,45 +198,46 @@ class PromptDataset:
         self.records = list(records)
         self.shuffle = shuffle
         self.seed = seed
-        self.epoch = 0
-        self.offset = 0  # index into the current epoch's order of the next record to hand out
-        self._order_epoch: int | None = None
-        self._order: list[int] = []
+        self._orders: dict[int, list[int]] = {}
 
     def __len__(self) -> int:
         return len(self.records)
 
-    def _epoch_order(self) -> list[int]:
-        if self._order_epoch != self.epoch:
+    def _epoch_order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
             order = list(range(len(self.records)))
             if self.shuffle:
                 # String seeds hash deterministically (unlike tuples), and differ per epoch.
-                random.Random(f"miles-prompts:{self.seed}:{self.epoch}").shuffle(order)
-            self._order, self._order_epoch = order, self.epoch
-        return self._order
+                random.Random(f"miles-prompts:{self.seed}:{epoch}").shuffle(order)
+            self._orders = {epoch: order}  # rollouts go forward: keep only the latest epoch's order
+        return self._orders[epoch]
 
-    def next_batch(self, n: int) -> list[PromptRecord]:
-        if n <= 0:
-            raise ValueError(f"batch size must be positive, got {n}")
+    def batch_for(self, rollout_id: int, n: int) -> list[PromptRecord]:
+        if n <= 0 or rollout_id < 0:
+            raise ValueError(f"batch_for needs rollout_id >= 0 and n > 0, got {rollout_id}, {n}")
         batch = []
-        while len(batch) < n:
-            order = self._epoch_order()
-            take = min(n - len(batch), len(order) - self.offset)
-            batch.extend(self.records[i] for i in order[self.offset : self.offset + take])
-            self.offset += take
-            if self.offset == len(order):  # wrap into the next epoch (and reshuffle)
-                self.epoch, self.offset = self.epoch + 1, 0
+        for position in range(rollout_id * n, (rollout_id + 1) * n):
+            epoch, offset = divmod(position, len(self.records))
+            batch.append(self.records[self._epoch_order(epoch)[offset]])
         return batch
 
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "offset": self.offset}
+    def fingerprint(self) -> dict:
+        """What a checkpoint records of the data, so a resume can tell it was given other prompts."""
+        h = hashlib.sha256()
+        for r in self.records:
+            h.update(json.dumps([r.prompt, r.label], sort_keys=True, default=str).encode())
+        return {"rows": len(self.records), "sha256": h.hexdigest()[:16], "shuffle": self.shuffle, "seed": self.seed}
 
-    def load_state_dict(self, d: dict) -> None:
-        epoch, offset = int(d["epoch"]), int(d["offset"])
-        if epoch < 0 or not 0 <= offset < len(self.records):
-            # Usually the prompt data changed (shrank) since the checkpoint was written.
+    def check_fingerprint(self, saved: dict) -> None:
+        """A UsageError when the checkpoint was trained on other prompt data (or another order)."""
+        now = self.fingerprint()
+        if saved != now:
             raise UsageError(
-                f"checkpoint data position (epoch {epoch}, offset {offset}) does not fit the prompt data "
-                f"({len(self.records)} rows); resume with the same --prompt-data the run started with"
-            )
-        self.epoch, self.offset = epoch, offset
+                f"the checkpoint was trained on other prompt data ({_describe(saved)}; now {_describe(now)}): "
+                "rollout i of a resumed run would not be rollout i of the run; resume with the --prompt-data, "
+                "--rollout-shuffle and --seed the run started with")
+
+
+def _describe(fp: dict) -> str:
+    return (f"{fp.get('rows')} rows, digest {fp.get('sha256')}, shuffle {'on' if fp.get('shuffle') else 'off'}, "
+            f"seed {fp.get('seed')}")

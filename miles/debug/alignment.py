@@ -4,8 +4,13 @@ After the first step, each check measures one thing the debugging guide says to 
 and prints one line: PASS, WARN or FAIL, the measured value, and for WARN/FAIL the likely culprit
 and the fix. `--alignment-check error` turns any FAIL into exit status 3.
 
-The checks are pure functions of numbers (bands below), so each is testable by hand; `collect`
-gathers those numbers from the first step's samples and trainer diagnostics.
+The checks are pure functions of numbers (bands below), so each is testable by hand; `run_checks`
+gathers those numbers from the first step's samples and trainer diagnostics. A non-finite value
+(NaN, Inf) is a FAIL in every check: no band can vouch for it.
+
+A resumed run makes its checks at its first step, not at step 1: every check still holds there
+except `log_probs vs ref` against a reference model (the policy has trained away from it), which
+is reported as SKIP with the reason.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from miles.bridge.types import Sample
+from miles.bridge.types import Sample, mean_rollout_log_prob
 from miles.errors import CheckFailed
 
 logger = logging.getLogger("miles")
@@ -37,6 +42,18 @@ class Check:
         return text
 
 
+NONFINITE_CULPRIT = "non-finite values (NaN/Inf): a NaN/Inf weight in the model, or an overflow in low precision"
+NONFINITE_FIX = ("check the weights for NaN/Inf (`miles check-weights` against the base model); --precision fp32 "
+                 "to confirm an overflow")
+
+
+def _nonfinite(name: str, value: str, *numbers: float) -> Check | None:
+    """The FAIL every check gives when one of its numbers is NaN or Inf; None when all are finite."""
+    if all(math.isfinite(x) for x in numbers):
+        return None
+    return Check(name, FAIL, value, NONFINITE_CULPRIT, NONFINITE_FIX)
+
+
 # -- a. rollout coherence -----------------------------------------------------------------------
 
 def check_coherence(nll_per_token: float, vocab_size: int, repetition: float, replacement_frac: float,
@@ -46,6 +63,8 @@ def check_coherence(nll_per_token: float, vocab_size: int, repetition: float, re
     uniform = math.log(vocab_size)
     value = (f"{scorer} NLL {nll_per_token:.2f}/token (uniform would be {uniform:.1f}), repeated 4-grams "
              f"{repetition:.0%}, replacement chars in {replacement_frac:.0%} of responses")
+    if bad := _nonfinite("rollout coherence", value, nll_per_token):
+        return bad
     if nll_per_token > 0.75 * uniform:
         return Check("rollout coherence", FAIL, value,
                      "the model predicts near-uniformly: parameters did not load (or a layer mapping is wrong)",
@@ -72,6 +91,8 @@ def check_coherence(nll_per_token: float, vocab_size: int, repetition: float, re
 def check_policy_vs_ref(max_diff: float, kl: float, against: str) -> Check:
     """At step 1 the actor and the reference hold the same weights: their log-probs must agree."""
     value = f"max |log_probs - {against}| {max_diff:.3g}, KL {kl:.3g}"
+    if bad := _nonfinite("log_probs vs ref", value, max_diff, kl):
+        return bad
     if max_diff == 0:
         return Check("log_probs vs ref", PASS, value + " (bitwise equal)")
     if max_diff < 1e-4:
@@ -92,6 +113,8 @@ def check_train_vs_engine(mean_diff: float, max_diff: float, precision: str) -> 
     """The engine samples; the trainer scores. Their log-probs of the same tokens should agree to
     fp32 rounding in fp32, and to bf16 rounding (~1e-2 per token on average) in bf16."""
     value = f"train_rollout_logprob_abs_diff {mean_diff:.3g}, forward_logp_max_diff {max_diff:.3g} ({precision})"
+    if bad := _nonfinite("trainer vs engine", value, mean_diff, max_diff):
+        return bad
     if mean_diff > 0.3 or max_diff > 5:
         return Check("trainer vs engine", FAIL, value,
                      "the engine's weights are not the trainer's: a weight-sync / parameter-mapping bug or dropped "
@@ -114,6 +137,8 @@ def check_response_nll(nll_per_token: float, has_template: bool, applied_templat
     """Responses an instruct model finds unlikely usually mean its prompts are not in the format it
     was trained on. The cheapest such mistake to spot is structural: a template left unused."""
     value = f"{nll_per_token:.2f}/token"
+    if bad := _nonfinite("response NLL", value, nll_per_token):
+        return bad
     if has_template and not applied_template:
         return Check("response NLL", WARN, value + " (prompts sent without the model's chat template)",
                      "chat-template mismatch: the model has a chat template but prompts are sent raw",
@@ -156,6 +181,7 @@ class RewardStats:
     missing_labels: int = 0
     unparsable: int | None = None  # responses with no final answer (math reward only)
     label_key: str | None = None
+    nonfinite: int = 0  # rewards that are NaN or Inf
 
 
 def check_reward_signal(s: RewardStats) -> Check:
@@ -164,6 +190,10 @@ def check_reward_signal(s: RewardStats) -> Check:
              f"{s.mixed_groups}/{s.groups} groups mixed, labels missing {s.missing_labels}/{s.n}")
     if s.unparsable is not None:
         value += f", no parsable answer in {s.unparsable}/{s.n} responses"
+    if s.nonfinite:
+        return Check("reward signal", FAIL, value + f", {s.nonfinite}/{s.n} rewards NaN/Inf",
+                     "the reward function returned NaN/Inf: every advantage of that group, and the update, is NaN",
+                     "fix the reward function (`miles inspect-rollout` shows which samples); return a finite number")
     if s.missing_labels == s.n:
         return Check("reward signal", FAIL, value, f"no sample has a label: --label-key {s.label_key!r} is wrong "
                      "or the data has none", "pass the data's label key to --label-key")
@@ -196,9 +226,10 @@ def reward_stats(samples: list[Sample], rm_type: str | None, label_key: str | No
         from miles.rollout.rewards import extract_answer
 
         unparsable = sum(extract_answer(s.response) is None for s in samples)
-    return RewardStats(len(samples), len(groups), sum(len(r) > 1 for r in groups.values()),
-                       sorted({s.reward for s in samples}), sum(s.label is None for s in samples), unparsable,
-                       label_key)
+    finite = {s.reward for s in samples if math.isfinite(s.reward)}
+    return RewardStats(len(samples), len(groups), sum(len(r) > 1 for r in groups.values()), sorted(finite),
+                       sum(s.label is None for s in samples), unparsable, label_key,
+                       sum(not math.isfinite(s.reward) for s in samples))
 
 
 def report(checks: list[Check], mode: str, step: int) -> None:
@@ -213,7 +244,7 @@ def report(checks: list[Check], mode: str, step: int) -> None:
         raise CheckFailed(f"alignment check failed: {failed} (see the `Alignment check` lines in train.log)")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CheckContext:
     """What the checks need to know about the run besides the step's numbers."""
 
@@ -225,8 +256,10 @@ class CheckContext:
     label_key: str | None
 
 
-def run_checks(samples: list[Sample], metrics: dict[str, float], diag, ctx: CheckContext) -> list[Check]:
-    """Every check that the run's sides allow: no trainer (rollout-only) means a, f only."""
+def run_checks(samples: list[Sample], metrics: dict[str, float], diag, ctx: CheckContext,
+               resumed_after: int = 0) -> list[Check]:
+    """Every check that the run's sides allow: no trainer (rollout-only) means a and f only.
+    `resumed_after` K > 0: the run resumed after step K (see the module docstring)."""
     from miles.train.losses import kl_k3, masked_mean
 
     checks = []
@@ -235,16 +268,19 @@ def run_checks(samples: list[Sample], metrics: dict[str, float], diag, ctx: Chec
     if diag is not None:
         nll, scorer = -masked_mean(diag.old_log_probs, diag.mask).item(), "trainer"
     else:
-        log_probs = [lp for s in samples for lp in s.rollout_log_probs]
-        nll, scorer = (-sum(log_probs) / len(log_probs) if log_probs else float("nan")), "engine"
+        mean_logp = mean_rollout_log_prob(samples)
+        nll, scorer = (-mean_logp if mean_logp is not None else float("nan")), "engine"
     checks.append(check_coherence(nll, ctx.vocab_size, repetition, replacement, scorer))
 
     if diag is not None:
-        if diag.ref_log_probs is not None:
+        if diag.ref_log_probs is not None and resumed_after:
+            checks.append(Check("log_probs vs ref", SKIP, f"resumed after step {resumed_after}: the policy has "
+                                "trained away from the reference, so the two agree only at step 1"))
+        elif diag.ref_log_probs is not None:
             diff = ((diag.old_log_probs - diag.ref_log_probs).abs() * diag.mask).max().item()
             kl = masked_mean(kl_k3(diag.old_log_probs, diag.ref_log_probs), diag.mask).item()
             checks.append(check_policy_vs_ref(diff, kl, "ref_log_probs"))
-        else:  # no reference model in this run: the training forward must match the scoring one
+        else:  # no reference model: the first training forward must match the scoring one, at any step
             checks.append(check_policy_vs_ref(diag.recompute_max_diff, metrics.get("train/ppo_kl", 0.0),
                                               "recomputed log_probs"))
         if diag.rollout_log_probs is not None:

@@ -7,7 +7,6 @@ log-probs, the rewards, the trainer's log-probs, the loss, the gradients, or the
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -17,11 +16,10 @@ from pathlib import Path
 import torch
 
 from miles.bridge.types import Sample
-from miles.utils.digest import digest, tensor_bytes
+from miles.debug.diff_runs import COMPONENTS  # data-flow order: the first to differ is where runs part
+from miles.utils.digest import bytes_digest16
 
 logger = logging.getLogger("miles")
-
-from miles.debug.diff_runs import COMPONENTS  # data-flow order: the first to differ is where runs part
 
 
 def enable_deterministic_mode(seed: int, device: str, attention_backend: str) -> None:
@@ -50,26 +48,16 @@ def enable_deterministic_mode(seed: int, device: str, attention_backend: str) ->
         logger.warning("--deterministic-mode cannot cover: %s", caveat)
 
 
-def model_digest(model: torch.nn.Module, grads: bool = False) -> str:
-    """One digest over every parameter (or its gradient), in name order."""
-    h = hashlib.sha256()
-    for name, p in model.named_parameters():
-        t = p.grad if grads else p
-        h.update(name.encode())
-        h.update(tensor_bytes(t) if t is not None else b"none")
-    return h.hexdigest()[:16]
-
-
 def rollout_hashes(samples: list[Sample]) -> dict[str, str]:
     def pack(fmt: str, values) -> bytes:
         values = list(values)
         return struct.pack(f"<{len(values)}{fmt}", *values)
 
     return {
-        "prompts": digest(*(pack("q", s.tokens[: s.prompt_length]) for s in samples)),
-        "rollout_tokens": digest(*(pack("q", s.response_tokens) for s in samples)),
-        "rollout_log_probs": digest(*(pack("d", s.rollout_log_probs) for s in samples)),
-        "rewards": digest(pack("d", (s.reward for s in samples))),
+        "prompts": bytes_digest16(*(pack("q", s.tokens[: s.prompt_length]) for s in samples)),
+        "rollout_tokens": bytes_digest16(*(pack("q", s.response_tokens) for s in samples)),
+        "rollout_log_probs": bytes_digest16(*(pack("d", s.rollout_log_probs) for s in samples)),
+        "rewards": bytes_digest16(pack("d", (s.reward for s in samples))),
     }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from miles.bridge.types import Sample
+from miles.bridge.types import Sample, mean_rollout_log_prob
 
 logger = logging.getLogger("miles")
 
@@ -16,17 +16,12 @@ def prompt_text(prompt) -> str:
     return str(prompt)
 
 
-def mean_log_prob(sample: Sample) -> float | None:
-    lp = sample.rollout_log_probs
-    return sum(lp) / len(lp) if lp else None
-
-
 def log_rollout_samples(rollout_id: int, samples: list[Sample], limit: int | None = None) -> None:
     shown = samples if limit is None else samples[:limit]
     logger.info("rollout %d: %d samples%s", rollout_id, len(samples),
                 "" if len(shown) == len(samples) else f" (first {len(shown)} shown)")
     for s in shown:
-        lp = mean_log_prob(s)
+        lp = mean_rollout_log_prob([s])
         logger.info("  [%d] group %d | reward %.3f | %d tokens | %s | mean logp %s\n      prompt:   %s\n"
                     "      response: %s\n      label:    %s",
                     s.index, s.group_index, s.reward, s.response_length, s.status,

@@ -84,8 +84,9 @@ def score_rollout(model, batch: TrainBatch, micro_batch_size: int, temperature: 
                   with_logits: bool = False):
     """The trainer's scoring pass: response log-probs (B, R), micro-batch by micro-batch.
 
-    `--true-on-policy-mode` runs this very function in the engine too, on the same batch layout,
-    so that both sides compute the same numbers with the same kernels, shapes and order.
+    `--true-on-policy-mode` runs this very function in the engine too (`score_sequences`), on the
+    same batch layout, so that both sides compute the same numbers with the same kernels, shapes
+    and order.
     """
     log_probs, logits = [], []
     for start in range(0, batch.rewards.numel(), micro_batch_size):
@@ -95,3 +96,13 @@ def score_rollout(model, batch: TrainBatch, micro_batch_size: int, temperature: 
         log_probs.append(lp)
         logits.append(rows)
     return torch.cat(log_probs), (torch.cat(logits) if with_logits else None)
+
+
+def score_sequences(model, sequences: list[list[int]], response_lengths: list[int], *, micro_batch_size: int,
+                    temperature: float, pad_token_id: int, autocast):
+    """`score_rollout` over token sequences whose last response_lengths[i] tokens are the response:
+    (log-probs (B, R), logits (B, R, V)), laid out exactly as in training."""
+    samples = [Sample(group_index=0, index=i, prompt="", tokens=seq, response_length=n, loss_mask=[1] * n)
+               for i, (seq, n) in enumerate(zip(sequences, response_lengths))]
+    batch = TrainBatch.from_samples(samples, pad_token_id, next(model.parameters()).device)
+    return score_rollout(model, batch, micro_batch_size, temperature, autocast, with_logits=True)

@@ -1,8 +1,9 @@
 """Checkpoints: `step_N/` dirs in HF format (safetensors + tokenizer) plus `trainer_state.pt`.
 
 A step dir is written under a temporary name and renamed when complete, so `--load` never picks
-up a half-written checkpoint. `trainer_state.pt` holds plain tensors and dicts only (optimizer
-state, step, data position, RNG) and loads with `torch.load(weights_only=True)`.
+up a half-written checkpoint. `trainer_state.pt` holds plain tensors and dicts only (the optimizer
+state, the step, a fingerprint of the prompt data, the run's config; no RNG state) and loads with
+`torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
@@ -46,10 +47,13 @@ def save_checkpoint(root: str | Path, step: int, model, tokenizer, trainer_state
 
 
 def find_latest_checkpoint(path: str | Path) -> Path:
-    """`path` is one `step_N` dir, or a dir of them; returns the complete one with the largest N."""
+    """`path` is one `step_N` dir, a dir of them, or a run dir holding `checkpoints/`; returns the
+    complete checkpoint with the largest N."""
     path = Path(path)
     if (path / TRAINER_STATE).is_file():
         return path
+    if (path / "checkpoints").is_dir() and not any(_STEP_DIR.match(d.name) for d in path.iterdir()):
+        path = path / "checkpoints"
     steps = [(int(m.group(1)), d) for d in path.iterdir()
              if (m := _STEP_DIR.match(d.name)) and (d / TRAINER_STATE).is_file()]
     if not steps:

@@ -1,7 +1,7 @@
 """Policy-gradient losses and KL estimators: pure functions on (B, R) response-token tensors.
 
 B is the number of samples, R the longest response; `mask` (B, R) is 1 on trained tokens.
-Where the reduction happens (per sample, then over the global batch) is in `aggregate`.
+How per-token values become one loss (per sample, or per token, over the global batch) is `aggregate`.
 """
 
 from __future__ import annotations
@@ -85,10 +85,17 @@ def tis_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, cl
     return ratio.clamp(max=clip).detach(), (ratio > clip).float()
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, global_batch_size: int) -> torch.Tensor:
-    """Mean over each sample's tokens, then a sum over samples divided by the global batch size.
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, *, samples_in_batch: int,
+              tokens_in_batch: int | None = None) -> torch.Tensor:
+    """One micro-batch's share of the global batch's loss (or metric).
 
-    Dividing by the global (not the micro) batch size makes gradient accumulation exact: eight
-    micro-batches of one sum to the same gradient as one micro-batch of eight.
+    Per sample (tokens_in_batch None, the default): each sample's mean over its tokens, summed over
+    samples and divided by the global batch's sample count; TRL's `loss_type="grpo"`.
+    Per token (--calculate-per-token-loss, DAPO's aggregation): the sum over every trained token
+    divided by the global batch's trained-token count; TRL's `loss_type="dapo"` (and `"bnpo"` when
+    the micro-batch is the whole batch). Dividing by the global, not the micro-batch's, count makes
+    gradient accumulation exact in both: eight micro-batches of one sum to the gradient of one of eight.
     """
-    return masked_mean(per_token, mask, dim=-1).sum() / global_batch_size
+    if tokens_in_batch is None:
+        return masked_mean(per_token, mask, dim=-1).sum() / samples_in_batch
+    return (per_token * mask).sum() / max(tokens_in_batch, 1)

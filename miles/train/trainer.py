@@ -1,8 +1,12 @@
-"""The training side: one rollout of `Sample`s in, optimizer steps and metrics out.
+"""The training side: one rollout of `Sample`s in, optimizer steps and a `TrainResult` out.
 
 Per rollout: score the samples with the current policy (the PPO "old" log-probs) and with the
 reference model; turn rewards into advantages; then `num_steps_per_rollout` optimizer steps, each
 over `global_batch_size` samples in micro-batches of `micro_batch_size` with accumulated grads.
+
+The trainer owns its model and optimizer: the loop asks it to `train`, `save`, `send_weights`
+and report digests, and never touches the model itself. A `parallelize(model)` hook is applied
+before the optimizer is built (where sharding goes; single-process runs pass none).
 """
 
 from __future__ import annotations
@@ -10,29 +14,21 @@ from __future__ import annotations
 import contextlib
 import math
 import struct
-from dataclasses import dataclass
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from miles.bridge.types import Sample
+from miles.bridge.transports import WeightTransport
+from miles.bridge.types import Sample, StepDiagnostics, TrainResult
+from miles.bridge.weight_sync import SentTensor, SyncStats
 from miles.config import TrainConfig
-from miles.debug.determinism import model_digest
-from miles.utils.digest import digest, tensor_bytes
 from miles.train.advantages import ADVANTAGE_ESTIMATORS
 from miles.train.batch import TrainBatch, response_log_probs, score_rollout
+from miles.train.checkpoint import save_checkpoint
 from miles.train.losses import KL_ESTIMATORS, aggregate, masked_mean, policy_loss, tis_weights
+from miles.utils.digest import bytes_digest16, named_tensors_digest16, tensor_bytes, tensor_bytes_sha256
 from miles.utils.progress import Progress
-
-
-@dataclass
-class StepDiagnostics:
-    """Per-token tensors (B, R) of the last rollout, kept for the step-1 alignment check."""
-
-    old_log_probs: torch.Tensor  # the policy's, before any update
-    ref_log_probs: torch.Tensor | None
-    rollout_log_probs: torch.Tensor | None  # None when the samples carry no engine log-probs
-    mask: torch.Tensor
-    recompute_max_diff: float  # max |log-prob in the first training forward - old_log_probs|
 
 
 def mixed_precision(precision: str, device_type: str):
@@ -43,26 +39,29 @@ def mixed_precision(precision: str, device_type: str):
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, model, ref_model, *, pad_token_id: int, precision: str,
-                 record_hashes: bool = False):
+    def __init__(self, cfg: TrainConfig, model, ref_model, *, temperature: float, group_size: int, pad_token_id: int,
+                 precision: str, record_hashes: bool = False,
+                 parallelize: Callable[[torch.nn.Module], torch.nn.Module] | None = None):
+        """`temperature` is the rollout's sampling temperature (tokens are scored at it);
+        `group_size` its samples per prompt; `record_hashes` (--debug-determinism) adds digests."""
         self.cfg = cfg
-        self.model = model.train()
+        self.model = (parallelize(model) if parallelize is not None else model).train()
         self.ref_model = ref_model.eval() if ref_model is not None else None
+        self.temperature = temperature
+        self.group_size = group_size
         self.pad_token_id = pad_token_id
-        self.device = next(model.parameters()).device
+        self.device = next(self.model.parameters()).device
         self.precision = precision
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.diagnostics: StepDiagnostics | None = None
-        self.record_hashes = record_hashes  # --debug-determinism: digests of the step's training side
-        self.step_hashes: dict[str, str] = {}
+        self.record_hashes = record_hashes
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     def autocast(self):
         return mixed_precision(self.precision, self.device.type)
 
     def _score(self, model, batch: TrainBatch) -> torch.Tensor:
-        return score_rollout(model, batch, self.cfg.micro_batch_size, self.cfg.rollout_temperature, self.autocast)[0]
+        return score_rollout(model, batch, self.cfg.micro_batch_size, self.temperature, self.autocast)[0]
 
-    def train(self, samples: list[Sample]) -> dict[str, float]:
+    def train(self, samples: list[Sample]) -> TrainResult:
         """Scores the rollout, then takes `num_steps_per_rollout` optimizer steps on it."""
         batch = TrainBatch.from_samples(samples, self.pad_token_id, self.device)
         old_log_probs = self._score(self.model, batch)
@@ -70,23 +69,24 @@ class Trainer:
         kl = KL_ESTIMATORS[self.cfg.kl_loss_type](old_log_probs, ref_log_probs) if ref_log_probs is not None else None
         metrics = score_metrics(batch, old_log_probs, ref_log_probs, kl)
         advantages = ADVANTAGE_ESTIMATORS[self.cfg.advantage_estimator](
-            batch.rewards, kl, batch.mask, group_size=self.cfg.n_samples_per_prompt, kl_coef=self.cfg.kl_coef)
+            batch.rewards, kl, batch.mask, group_size=self.group_size, kl_coef=self.cfg.kl_coef)
         metrics["rollout/advantages"] = masked_mean(advantages, batch.mask).item()
 
         step_metrics, grad_digests, recompute_gap = self._optimize(batch, advantages, old_log_probs, ref_log_probs)
         for key in step_metrics[0]:
             metrics[key] = sum(m[key] for m in step_metrics) / len(step_metrics)
         metrics["train/recompute_logp_max_diff"] = recompute_gap
+        hashes = {}
         if self.record_hashes:
             losses = [m["train/loss"] for m in step_metrics]
-            self.step_hashes = {"trainer_log_probs": digest(tensor_bytes(old_log_probs * batch.mask)),
-                                "loss": digest(struct.pack(f"<{len(losses)}d", *losses)),
-                                "gradients": digest(*(d.encode() for d in grad_digests)),
-                                "parameters": model_digest(self.model)}
-        self.diagnostics = StepDiagnostics(old_log_probs, ref_log_probs,
-                                           batch.rollout_log_probs if batch.has_rollout_log_probs else None,
-                                           batch.mask, recompute_gap)
-        return metrics
+            hashes = {"trainer_log_probs": bytes_digest16(tensor_bytes(old_log_probs * batch.mask)),
+                      "loss": bytes_digest16(struct.pack(f"<{len(losses)}d", *losses)),
+                      "gradients": bytes_digest16(*(d.encode() for d in grad_digests)),
+                      "parameters": named_tensors_digest16(self.model.named_parameters())}
+        diagnostics = StepDiagnostics(old_log_probs, ref_log_probs,
+                                      batch.rollout_log_probs if batch.has_rollout_log_probs else None,
+                                      batch.mask, recompute_gap)
+        return TrainResult(metrics, diagnostics, hashes)
 
     def _optimize(self, batch: TrainBatch, advantages, old_log_probs, ref_log_probs):
         """The optimizer steps, each over a global batch accumulated from micro-batches.
@@ -98,14 +98,16 @@ class Trainer:
         cfg = self.cfg
         step_metrics, grad_digests, recompute_gap = [], [], 0.0
         gbs, mbs = cfg.global_batch_size, cfg.micro_batch_size
-        with Progress("training", total=batch.rewards.numel() // mbs) as bar:
+        with Progress("training", total=batch.rewards.numel() // mbs, unit="micro-batches") as bar:
             for step in range(cfg.num_steps_per_rollout):
+                rows = slice(step * gbs, (step + 1) * gbs)
+                tokens = int(batch.mask[rows].sum()) if cfg.calculate_per_token_loss else None
                 self.optimizer.zero_grad(set_to_none=True)
                 sums: dict[str, float] = {}
                 for start in range(step * gbs, (step + 1) * gbs, mbs):
-                    rows = slice(start, start + mbs)
-                    out = self._micro_step(batch.rows(start, start + mbs), advantages[rows], old_log_probs[rows],
-                                           ref_log_probs[rows] if ref_log_probs is not None else None)
+                    mb = slice(start, start + mbs)
+                    out = self._micro_step(batch.rows(start, start + mbs), advantages[mb], old_log_probs[mb],
+                                           ref_log_probs[mb] if ref_log_probs is not None else None, tokens)
                     gap = out.pop("recompute_max_diff")
                     if step == 0:
                         recompute_gap = max(recompute_gap, gap)
@@ -113,18 +115,24 @@ class Trainer:
                         sums[key] = sums.get(key, 0.0) + value
                     bar.advance()
                 if self.record_hashes:
-                    grad_digests.append(model_digest(self.model, grads=True))
+                    grad_digests.append(named_tensors_digest16((n, p.grad) for n, p in self.model.named_parameters()))
                 max_norm = cfg.clip_grad if cfg.clip_grad > 0 else math.inf
                 sums["train/grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
                 self.optimizer.step()
                 step_metrics.append(sums)
         return step_metrics, grad_digests, recompute_gap
 
-    def _micro_step(self, mb: TrainBatch, advantages, old_log_probs, ref_log_probs) -> dict[str, float]:
+    def _micro_step(self, mb: TrainBatch, advantages, old_log_probs, ref_log_probs,
+                    tokens_in_batch: int | None) -> dict[str, float]:
         """Forward + backward of one micro-batch. Returns its share of the step's metrics."""
-        cfg, gbs = self.cfg, self.cfg.global_batch_size
+        cfg = self.cfg
+
+        def agg(per_token):  # this micro-batch's share of the global batch's mean
+            return aggregate(per_token, mb.mask, samples_in_batch=cfg.global_batch_size,
+                             tokens_in_batch=tokens_in_batch)
+
         with self.autocast():
-            log_probs, entropy = response_log_probs(self.model, mb, cfg.rollout_temperature, with_entropy=True)
+            log_probs, entropy = response_log_probs(self.model, mb, self.temperature, with_entropy=True)
         out = {"recompute_max_diff": ((log_probs.detach() - old_log_probs).abs() * mb.mask).max().item()}
         pg, clipped, ppo_kl = policy_loss(log_probs, old_log_probs, advantages, mb.mask, eps_clip=cfg.eps_clip,
                                           eps_clip_high=cfg.eps_clip_high,
@@ -132,29 +140,54 @@ class Trainer:
         if cfg.use_tis:
             weights, tis_clipped = tis_weights(old_log_probs, mb.rollout_log_probs, cfg.tis_clip)
             pg = pg * weights
-            out["train/tis_mean"] = aggregate(weights, mb.mask, gbs).item()
-            out["train/tis_clipfrac"] = aggregate(tis_clipped, mb.mask, gbs).item()
-        pg_loss = aggregate(pg, mb.mask, gbs)
+            out["train/tis_mean"] = agg(weights).item()
+            out["train/tis_clipfrac"] = agg(tis_clipped).item()
+        pg_loss = agg(pg)
         loss = pg_loss
         if cfg.use_kl_loss:
-            kl_loss = aggregate(KL_ESTIMATORS[cfg.kl_loss_type](log_probs, ref_log_probs), mb.mask, gbs)
+            kl_loss = agg(KL_ESTIMATORS[cfg.kl_loss_type](log_probs, ref_log_probs))
             loss = loss + cfg.kl_loss_coef * kl_loss
             out["train/kl_loss"] = kl_loss.item()
         loss.backward()
         out.update({
             "train/loss": loss.item(),
             "train/pg_loss": pg_loss.item(),
-            "train/pg_clipfrac": aggregate(clipped, mb.mask, gbs).item(),
-            "train/ppo_kl": aggregate(ppo_kl, mb.mask, gbs).item(),
-            "train/entropy": aggregate(entropy, mb.mask, gbs).item(),
+            "train/pg_clipfrac": agg(clipped).item(),
+            "train/ppo_kl": agg(ppo_kl).item(),
+            "train/entropy": agg(entropy).item(),
         })
         return out
+
+    # -- what the loop asks of the trainer besides training ----------------------------------------
+
+    def send_weights(self, transport: WeightTransport, step: int) -> SyncStats:
+        return transport.send(self.model, step)
+
+    @torch.no_grad()
+    def weight_digests(self, dtypes: dict[str, str]) -> dict[str, SentTensor]:
+        """Each parameter as an engine holding it in dtypes[name] should hold it (default: as is)."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            dtype = getattr(torch, dtypes[name]) if name in dtypes else p.dtype
+            out[name] = SentTensor(list(p.shape), str(p.dtype).removeprefix("torch."), p.numel() * p.element_size(),
+                                   tensor_bytes_sha256(p.to(dtype)))
+        return out
+
+    def save(self, root: str | Path, step: int, tokenizer, extra_state: dict) -> Path:
+        """checkpoints/step_N: the policy in HF format, the tokenizer, and trainer_state.pt (the
+        optimizer state plus `extra_state`)."""
+        return save_checkpoint(root, step, self.model, tokenizer, {**self.state_dict(), **extra_state})
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
+
+    def memory_bytes(self) -> dict[str, int]:
+        models = {"policy": self.model, "reference": self.ref_model}
+        return {name: sum(p.numel() * p.element_size() for p in m.parameters())
+                for name, m in models.items() if m is not None}
 
 
 def score_metrics(batch: TrainBatch, old_log_probs, ref_log_probs, kl) -> dict[str, float]:

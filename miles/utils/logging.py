@@ -18,9 +18,27 @@ def setup_logging(output_dir: Path) -> None:
     logger.handlers.clear()
     logger.setLevel(logging.INFO)
     logger.propagate = False
-    for handler in (logging.FileHandler(output_dir / "train.log"), logging.StreamHandler(sys.stdout)):
+    for handler in (logging.FileHandler(output_dir / "train.log"), _StdoutHandler()):
         handler.setFormatter(fmt)
         logger.addHandler(handler)
+
+
+class _StdoutHandler(logging.StreamHandler):
+    """stdout, until its reader goes away (`miles train | head`): then train.log alone, no tracebacks."""
+
+    def __init__(self):
+        super().__init__(sys.stdout)
+        self.closed_pipe = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.closed_pipe:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if isinstance(sys.exc_info()[1], BrokenPipeError):
+            self.closed_pipe = True
+            return
+        super().handleError(record)
 
 
 def close_logging() -> None:
@@ -42,10 +60,7 @@ class MetricsWriter:
 
             self._tb = SummaryWriter(str(output_dir / "tensorboard"))
         if wandb_project is not None:
-            import wandb
-
-            self._wandb = wandb.init(project=wandb_project, group=wandb_group, dir=str(output_dir),
-                                     config=config, name=output_dir.name)
+            self._wandb = _init_wandb(output_dir, project=wandb_project, group=wandb_group, config=config)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, **{k: _json_number(v) for k, v in metrics.items()}}
@@ -64,6 +79,20 @@ class MetricsWriter:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _init_wandb(output_dir: Path, **kwargs):
+    """A W&B run; without credentials (no `wandb login`, no WANDB_API_KEY) an offline one, said so in the log."""
+    import wandb
+
+    kwargs.update(dir=str(output_dir), name=output_dir.name)
+    try:
+        return wandb.init(**kwargs)
+    except wandb.errors.UsageError as e:  # "No API key configured": the only error an offline run avoids
+        reason = str(e).strip().splitlines()[0]
+        logger.warning("--use-wandb: %s; logging offline to %s instead (upload later with `wandb sync %s`)",
+                       reason, output_dir / "wandb", output_dir / "wandb")
+        return wandb.init(mode="offline", **kwargs)
 
 
 def _json_number(value: float):

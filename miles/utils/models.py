@@ -22,7 +22,7 @@ logger = logging.getLogger("miles")
 
 DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_ATTN_IMPL = {"sdpa": "sdpa", "eager": "eager", "flash": "flash_attention_2"}
+ATTENTION_IMPLEMENTATIONS = {"sdpa": "sdpa", "eager": "eager", "flash": "flash_attention_2"}
 
 
 def quiet_transformers() -> None:
@@ -102,7 +102,7 @@ def load_causal_lm(path: str | Path, *, device: str, attention_backend: str, dty
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
-    impl = _ATTN_IMPL[attention_backend]
+    impl = ATTENTION_IMPLEMENTATIONS[attention_backend]
     if impl == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise UsageError("--attention-backend flash needs the flash-attn package; use sdpa or eager")
     try:

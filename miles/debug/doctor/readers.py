@@ -368,7 +368,7 @@ def _read_dumps(paths: list[Path], corpus: Corpus) -> None:
     chosen = paths if len(paths) <= MAX_DUMPS else paths[: MAX_DUMPS - 1] + paths[-1:]
     corpus.skipped += [(str(p), f"rollout dump beyond the first {MAX_DUMPS - 1} and the last")
                        for p in paths if p not in chosen]
-    from miles.debug.rollout_dump import read_dump, samples_from_dump  # imports torch
+    from miles.bridge.rollout_dump import read_dump, samples_from_dump  # imports torch
 
     for path in chosen:
         if path.stat().st_size > MAX_DUMP_BYTES:

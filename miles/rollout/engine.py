@@ -1,0 +1,50 @@
+"""The `Engine` seam: what the rollout side asks of an inference engine, and what it gets back.
+
+`miles.rollout.local.LocalEngine` (miles' own engine, in process) is the reference
+implementation; engines behind HTTP servers implement the same four methods.
+
+Log-probs: an engine reports, for each sampled token, its log-probability under the
+temperature-scaled distribution before top-p truncation — the same quantity the trainer
+computes (logits / temperature), as in SGLang and slime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from miles.bridge.weight_sync import TensorChecksum
+from miles.config import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class GenerationOutput:
+    token_ids: list[int]
+    log_probs: list[float]  # one per token in token_ids
+    finish_reason: str  # "stop" (sampled an EOS token) or "length" (hit its token budget)
+    weight_version: int | None = None  # the engine's weight version when it generated this
+    redrawn: int | None = None  # --true-on-policy-mode: tokens re-drawn from the trainer's computation
+
+
+class Engine(Protocol):
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int], *,
+                 progress: Callable[[int], None] | None = None) -> list[GenerationOutput]:
+        """One response per prompt (token ids); sample i draws from the random stream seeded by
+        seeds[i]. `progress(n)` is told the number of decode steps done so far."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, weight_version: int) -> None:
+        """Loads these tensors (by parameter name) and tags later outputs with `weight_version`."""
+        ...
+
+    def weights_checksum(self) -> dict[str, TensorChecksum]:
+        """Per-parameter digests of the weights the engine generates with."""
+        ...
+
+    def check_buffers(self) -> list[str]:
+        """Problems with the engine's non-parameter buffers (dropped, zeroed, changed); empty when fine."""
+        ...

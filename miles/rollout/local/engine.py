@@ -1,0 +1,110 @@
+"""miles' own engine, in process: the reference implementation of the `Engine` seam.
+
+The engine owns its own copy of the weights, as a real inference engine does; the trainer
+reaches it only through `update_weights` (a `WeightTransport` calls it). Decoding is in
+`decode.py`; `--true-on-policy-mode` passes a `verifier` (true_on_policy.py) that checks each
+rollout against the trainer's own computation. Only this engine takes one: the mode needs the
+trainer's kernels in the engine's process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+
+import torch
+
+from miles.config import SamplingParams
+from miles.bridge.weight_sync import TensorChecksum
+from miles.rollout.engine import GenerationOutput
+from miles.rollout.local.decode import Decoder
+from miles.rollout.sampling import stream_uniforms
+from miles.utils.digest import tensor_bytes_sha256
+
+
+def fresh_buffers(model) -> dict[str, torch.Tensor]:
+    """The model's buffers as a freshly built module computes them.
+
+    Modules built from the config alone (rotary embeddings) are rebuilt, so a buffer already wrong
+    at load time is caught too; other buffers are snapshotted as loaded.
+    """
+    fresh = {}
+    for prefix, module in model.named_modules():
+        own = dict(module.named_buffers(recurse=False))
+        if not own:
+            continue
+        rebuilt = None
+        try:
+            rebuilt = dict(type(module)(model.config).named_buffers(recurse=False))
+        except Exception:  # not constructible from the config alone: keep the loaded values
+            pass
+        for name, buf in own.items():
+            source = rebuilt.get(name) if rebuilt is not None and name in rebuilt else buf
+            fresh[f"{prefix}.{name}" if prefix else name] = source.detach().clone().cpu()
+    return fresh
+
+
+class LocalEngine:
+    def __init__(self, model, *, eos_token_ids: list[int], pad_token_id: int, autocast=contextlib.nullcontext,
+                 verifier=None, cache: str = "dynamic", weight_version: int = 0):
+        self.model = model.eval()
+        self.autocast = autocast  # a context factory: the trainer's autocast in true on-policy mode
+        self.verifier = verifier  # --true-on-policy-mode: a TrainerComputationVerifier
+        self.weight_version = weight_version  # optimizer steps behind the weights held now
+        self.eos_token_ids = eos_token_ids
+        self.device = next(model.parameters()).device
+        # On a GPU, check for finished rows every 16 steps (a host sync each); on the CPU a check is free.
+        self.decoder = Decoder(model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, cache=cache,
+                               stop_check_every=16 if self.device.type == "cuda" else 1)
+        self._fresh_buffers = fresh_buffers(model)
+
+    # -- weights: the receiving end of a WeightTransport -------------------------------------------
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, weight_version: int) -> None:
+        params = dict(self.model.named_parameters())
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise KeyError(f"engine has no parameter named {name!r}")
+            params[name].copy_(tensor)  # casts to the engine's dtype and device
+        self.weight_version = weight_version
+
+    def weights_checksum(self) -> dict[str, TensorChecksum]:
+        return {name: TensorChecksum(str(p.dtype).removeprefix("torch."), tensor_bytes_sha256(p))
+                for name, p in self.model.named_parameters()}
+
+    def check_buffers(self) -> list[str]:
+        """Each non-parameter buffer (rotary `inv_freq` and the like) dropped, or no longer equal to
+        a freshly computed copy."""
+        current = dict(self.model.named_buffers())
+        problems = []
+        for name, fresh in self._fresh_buffers.items():
+            buf = current.get(name)
+            if buf is None:
+                problems.append(f"{name} dropped")
+            elif not torch.equal(buf, fresh.to(buf.device, buf.dtype)):
+                zeroed = not bool(buf.count_nonzero())
+                problems.append(f"{name} {'zeroed' if zeroed else 'changed'} "
+                                f"(max |diff| {(buf.float() - fresh.to(buf.device).float()).abs().max().item():.3g})")
+        return problems
+
+    def memory_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    # -- generation --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int], *,
+                 progress: Callable[[int], None] | None = None) -> list[GenerationOutput]:
+        # Sample i's k-th token uses the k-th number of its stream, whatever else is decoded.
+        uniforms = stream_uniforms(seeds, sampling.max_new_tokens)  # (B, T)
+        with self.autocast():
+            outputs = self.decode(prompts, sampling, uniforms, progress)
+            if self.verifier is not None:
+                outputs = self.verifier.verify(self, prompts, outputs, sampling, uniforms)
+        return outputs
+
+    def decode(self, prompts: list[list[int]], sampling: SamplingParams, uniforms: torch.Tensor,
+               progress: Callable[[int], None] | None = None, limits: list[int] | None = None) -> list[GenerationOutput]:
+        """The KV-cache decode of `prompts` driven by `uniforms` (B, T); row i makes at most limits[i] tokens."""
+        return self.decoder.decode(prompts, sampling, uniforms, progress, limits, self.weight_version)

@@ -1,0 +1,90 @@
+"""`--true-on-policy-mode`: the engine samples from exactly the distribution the trainer computes.
+
+The engine decodes fast, with its KV cache, which computes slightly different numbers from the
+trainer's full forward (other shapes, other reduction orders). In this mode each rollout is then
+checked against the trainer's own computation: the engine runs the trainer's scoring function
+(`miles.train.batch.score_sequences`, handed in by the loop: the rollout side does not import the
+training side) on the same batch layout and micro-batches, with the same weights and autocast,
+and re-draws every response token from those probabilities with the token's own
+uniform number. Where a drawn token differs from the decoded one (a draw within rounding of a
+CDF boundary), the response is cut there, the drawn token is kept, and decoding resumes; the
+check repeats until every token agrees. The log-probs the engine reports are then the trainer's,
+bit for bit, and every token was sampled from exactly those probabilities: the rollout is
+on-policy by construction, not re-scored after the fact.
+
+Cost: one scoring pass of the rollout (plus one per round with a disagreement, rare in fp32).
+Top-p truncation would make the sampled distribution differ from the reported one, so this mode
+takes --rollout-top-p 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from miles.config import SamplingParams
+from miles.rollout.engine import GenerationOutput
+from miles.rollout.sampling import sample_tokens
+
+# (model, sequences, response lengths) -> (log-probs (B, R), logits (B, R, V)) of the response tokens
+ScoreFn = Callable[[torch.nn.Module, list[list[int]], list[int]], tuple[torch.Tensor, torch.Tensor]]
+
+
+class TrainerComputationVerifier:
+    def __init__(self, score: ScoreFn):
+        self.score = score
+
+    def verify(self, engine, prompts: list[list[int]], outputs: list[GenerationOutput], sampling: SamplingParams,
+               uniforms: torch.Tensor) -> list[GenerationOutput]:
+        """`engine` is the LocalEngine whose model and decode loop the check uses; returns the
+        outputs with every token agreed and the trainer's log-probs, each counting its re-draws."""
+        redrawn = [0] * len(outputs)
+        # Each round fixes at least the first disagreeing token of every row, so the agreed prefix
+        # grows by one a round; more rounds than tokens means the two computations are not stable.
+        rounds = sampling.max_new_tokens + 2
+        for _ in range(rounds):
+            log_probs, logits = self.score(engine.model, [p + o.token_ids for p, o in zip(prompts, outputs)],
+                                           [len(o.token_ids) for o in outputs])
+            redo = {}
+            for i, out in enumerate(outputs):
+                n = len(out.token_ids)
+                drawn, _ = sample_tokens(logits[i, :n], sampling, uniforms[i, :n])
+                mismatch = (drawn.cpu() != torch.tensor(out.token_ids)).nonzero()
+                if len(mismatch):
+                    redo[i] = (int(mismatch[0]), int(drawn[int(mismatch[0])]))
+            if not redo:
+                return [dataclasses.replace(out, log_probs=log_probs[i, : len(out.token_ids)].tolist(),
+                                            redrawn=redrawn[i]) for i, out in enumerate(outputs)]
+            for i in redo:
+                redrawn[i] += 1
+            prefixes = {i: outputs[i].token_ids[:j] + [token] for i, (j, token) in redo.items()}
+            outputs = self._resume(engine, prompts, outputs, prefixes, sampling, uniforms)
+        raise RuntimeError(f"true on-policy: engine and trainer still disagreed after {rounds} rounds")
+
+    @staticmethod
+    def _resume(engine, prompts, outputs, prefixes: dict[int, list[int]], sampling: SamplingParams,
+                uniforms: torch.Tensor) -> list[GenerationOutput]:
+        """Decodes on after each re-drawn token, all such rows in one batch; every position keeps
+        its own uniform number (the next check decides what stands)."""
+        outputs = list(outputs)
+        resume = []
+        for i, prefix in prefixes.items():
+            if prefix[-1] in engine.eos_token_ids or len(prefix) == sampling.max_new_tokens:
+                reason = "stop" if prefix[-1] in engine.eos_token_ids else "length"
+                outputs[i] = GenerationOutput(prefix, [0.0] * len(prefix), reason, engine.weight_version)
+            else:
+                resume.append(i)
+        if resume:
+            width = sampling.max_new_tokens - min(len(prefixes[i]) for i in resume)
+            rest_uniforms = torch.zeros(len(resume), width, dtype=uniforms.dtype)
+            for row, i in enumerate(resume):
+                left = uniforms[i, len(prefixes[i]):]
+                rest_uniforms[row, : len(left)] = left
+            rests = engine.decode([prompts[i] + prefixes[i] for i in resume], sampling, rest_uniforms,
+                                  limits=[sampling.max_new_tokens - len(prefixes[i]) for i in resume])
+            for i, rest in zip(resume, rests):
+                tokens = prefixes[i] + rest.token_ids
+                outputs[i] = GenerationOutput(tokens, [0.0] * len(tokens), rest.finish_reason, rest.weight_version)
+        return outputs

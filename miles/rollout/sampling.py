@@ -1,0 +1,63 @@
+"""Sampling one token per row from logits, and the per-sample random streams that drive it.
+
+Sampling is by inverse CDF with one uniform number per row and token, drawn from that sample's
+own random stream (seeded by (run seed, rollout id, sample index)): a sample's tokens depend on
+its seed and its logits only, never on which other samples share the batch, so a rollout-only
+capture equals the live run and a bisect can trust that a changed batch size did not change the
+draws.
+
+The CDF is built in float64. At a 151,936-token vocabulary a float32 cumulative sum is off by
+~1e-4 of the total mass and rounds thousands of tail tokens to zero-width intervals, so the
+distribution sampled would not be the one reported; in float64 the two agree to ~1e-12.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from miles.config import SamplingParams
+
+
+def sample_seed(seed: int, rollout_id: int, index: int) -> int:
+    """The random stream of one sample: a function of (run seed, rollout id, sample index) only."""
+    digest = hashlib.sha256(f"miles:{seed}:{rollout_id}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def stream_uniforms(seeds: list[int], n: int) -> torch.Tensor:
+    """(B, n) float64 uniforms in [0, 1): row i is the first n numbers of the stream seeded by seeds[i]."""
+    return torch.stack([torch.rand(n, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
+                        for s in seeds])
+
+
+def sampling_cdf(log_probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """(B, V) float64 cumulative mass of the distribution sampled from: exp(log_probs), truncated to
+    the top-p nucleus when top_p < 1 (unnormalised: the last column is the total)."""
+    probs = log_probs.double().exp()
+    if top_p < 1.0:
+        # Keep the smallest prefix of the sorted distribution whose mass reaches top_p.
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+    return probs.cumsum(-1)
+
+
+def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, uniforms: torch.Tensor | None):
+    """Samples one token per row of `logits` (B, V) with one uniform (B,) per row.
+
+    Returns (tokens (B,), log_probs (B,)): the log-probs are float32 under the temperature-scaled
+    distribution before top-p (what the trainer computes); temperature 0 is greedy.
+    """
+    logits = logits.float()
+    if sampling.temperature == 0:
+        log_probs = torch.log_softmax(logits, dim=-1)
+        tokens = log_probs.argmax(dim=-1)
+        return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+    log_probs = torch.log_softmax(logits / sampling.temperature, dim=-1)
+    cdf = sampling_cdf(log_probs, sampling.top_p)
+    # The first token whose cumulative mass exceeds u * total: token k with probability p_k / total.
+    target = uniforms.to(cdf.device, torch.float64)[:, None] * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+    return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
