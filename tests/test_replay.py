@@ -49,13 +49,17 @@ def test_rollout_only_run_logs_and_saves_no_checkpoint(tiny_args, tmp_path):
 
 
 def test_dump_format(tiny_args, tmp_path, tiny_model):
-    run(tiny_args, "--num-rollout", "1", *dump_args(tmp_path))
+    run(tiny_args, "--num-rollout", "2", *dump_args(tmp_path))
+    # weight_version: the optimizer steps behind the weights that generated the sample.
+    versions = [{s["weight_version"] for s in torch.load(tmp_path / "dumps" / f"data_{i}.pt",
+                                                         weights_only=True)["samples"]} for i in (0, 1)]
+    assert versions == [{0}, {1}]
     dump = torch.load(tmp_path / "dumps" / "data_0.pt", weights_only=True)
     assert dump["format"] == "miles.rollout/1" and dump["rollout_id"] == 0
     assert len(dump["samples"]) == 16
     s = dump["samples"][5]
     for key in ("group_index", "index", "prompt", "tokens", "response", "response_length", "label", "reward",
-                "loss_mask", "rollout_log_probs", "status", "metadata"):
+                "loss_mask", "rollout_log_probs", "status", "weight_version", "metadata"):
         assert key in s, key
     assert s["index"] == 5 and s["group_index"] == 1
     assert len(s["loss_mask"]) == len(s["rollout_log_probs"]) == s["response_length"] > 0

@@ -96,6 +96,19 @@ def varied_args(tiny_args, tmp_path):
     return argv + ["--no-apply-chat-template", "--num-rollout", "1", "--rollout-max-response-len", "40"]
 
 
+def test_resume_with_other_prompt_data_is_a_usage_error(tiny_args, tmp_path):
+    first = run(tiny_args, "--num-rollout", "1", "--output-dir", str(tmp_path / "first"))
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"prompt": "What is 9 + 9?", "label": "18"}) + "\n")
+    argv = list(tiny_args)
+    argv[argv.index("--prompt-data") + 1] = str(other)
+    r = subprocess.run([sys.executable, "-m", "miles", *argv, "--load", str(first), "--output-dir",
+                        str(tmp_path / "resumed")], capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the checkpoint was trained on other prompt data (16 rows") and "--prompt-data" in last
+
+
 @pytest.mark.parametrize("per_token", [False, True])
 def test_gradient_accumulation_is_invariant(varied_args, tmp_path, per_token):
     flags = ["--calculate-per-token-loss"] if per_token else []

@@ -223,9 +223,9 @@ def reward_stats(samples: list[Sample], rm_type: str | None, label_key: str | No
         groups.setdefault(s.group_index, set()).add(s.reward)
     unparsable = None
     if rm_type == "math":
-        from miles.rollout.rewards import extract_answer
+        from miles.rollout.rewards import has_answer
 
-        unparsable = sum(extract_answer(s.response) is None for s in samples)
+        unparsable = sum(not has_answer(s.response) for s in samples)
     finite = {s.reward for s in samples if math.isfinite(s.reward)}
     return RewardStats(len(samples), len(groups), sum(len(r) > 1 for r in groups.values()), sorted(finite),
                        sum(s.label is None for s in samples), unparsable, label_key,

@@ -20,7 +20,6 @@ Exit 0 when the weights match, 3 when they differ, 2 on bad arguments.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import re
 from collections import Counter
@@ -113,17 +112,14 @@ class WeightSet:
 
     def digest(self, name: str) -> str:
         if name not in self._digests:
-            self._digests[name] = digest(self.get(name))
+            self._digests[name] = _typed_sha256(self.get(name))
         return self._digests[name]
 
 
-def digest(t) -> str:
-    """sha256 of dtype, shape and raw bytes: equal digests mean bit-identical tensors."""
-    from miles.utils.digest import tensor_bytes
+def _typed_sha256(t) -> str:
+    from miles.utils.digest import typed_tensor_sha256  # torch, only once there are tensors to hash
 
-    h = hashlib.sha256(f"{t.dtype}{list(t.shape)}".encode())
-    h.update(tensor_bytes(t))
-    return h.hexdigest()
+    return typed_tensor_sha256(t)
 
 
 def find_prefix(a: set[str], b: set[str]) -> tuple[str, str] | None:
@@ -225,7 +221,7 @@ def compare_tensor(a: WeightSet, b: WeightSet, name: str, atol: float) -> tuple[
     if ta.shape == tb.shape and ta.dtype == tb.dtype and atol > 0 and max_abs_diff(ta, tb) <= atol:
         return "identical", {}
     if ta.dim() == 2 and tb.shape == ta.shape[::-1] and ta.dtype == tb.dtype and (
-            digest(ta.t()) == b.digest(name) or (atol > 0 and max_abs_diff(ta.t(), tb) <= atol)):
+            _typed_sha256(ta.t()) == b.digest(name) or (atol > 0 and max_abs_diff(ta.t(), tb) <= atol)):
         return "transposed", info
     if ta.shape != tb.shape or ta.dtype != tb.dtype:
         return "shape_dtype", {**info, "max_abs_diff": max_abs_diff(ta, tb) if ta.shape == tb.shape else None}

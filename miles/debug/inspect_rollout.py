@@ -14,6 +14,7 @@ import re
 import statistics
 from pathlib import Path
 
+from miles.bridge.types import mean_rollout_log_prob
 from miles.errors import UsageError
 
 
@@ -68,7 +69,7 @@ def sample_row(s) -> dict:
     lp = s.rollout_log_probs
     return {"index": s.index, "group": s.group_index, "reward": s.reward, "prompt_len": s.prompt_length,
             "response_len": s.response_length, "status": s.status,
-            "logp_mean": sum(lp) / len(lp) if lp else None, "logp_min": min(lp) if lp else None,
+            "logp_mean": mean_rollout_log_prob([s]), "logp_min": min(lp) if lp else None,
             "response": s.response}
 
 
@@ -95,7 +96,7 @@ def summarize(samples, n_per_prompt: int) -> dict:
         "response_len_min": min(lengths),
         "response_len_max": max(lengths),
         "status": statuses,
-        "logp_mean": statistics.fmean(log_probs) if log_probs else None,
+        "logp_mean": mean_rollout_log_prob(samples),
         "logp_min": min(log_probs) if log_probs else None,
         "samples_without_logp": sum(not s.rollout_log_probs for s in samples),
     }

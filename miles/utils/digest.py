@@ -22,6 +22,14 @@ def tensor_bytes_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(tensor_bytes(t)).hexdigest()
 
 
+def typed_tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 (hex) of a tensor's dtype, shape and raw bytes: equal digests mean identical tensors,
+    whatever their dtypes (check-weights compares weight sets that may differ in either)."""
+    h = hashlib.sha256(f"{t.dtype}{list(t.shape)}".encode())
+    h.update(tensor_bytes(t))
+    return h.hexdigest()
+
+
 def bytes_digest16(*parts: bytes) -> str:
     """The first 16 hex digits of sha256 over several byte strings, for per-step hashes."""
     h = hashlib.sha256()
