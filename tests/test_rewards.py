@@ -12,7 +12,7 @@ import pytest
 
 from miles.bridge.types import Sample
 from miles.errors import UsageError
-from miles.rollout import rewards
+from miles.rollout import math_verify_pool, rewards
 from miles.rollout.rewards import (
     REWARD_FUNCTIONS,
     RM_TYPES,
@@ -259,9 +259,9 @@ NESTED = "\\boxed{" + functools.reduce(lambda s, _: f"\\frac{{{s}}}{{x+1}}", ran
 @pytest.fixture
 def short_timeout(monkeypatch):
     """A 0.5 s deadline; calling the fixture's value puts the default back for the checks after."""
-    default = rewards.VERIFY_TIMEOUT_S
-    monkeypatch.setattr(rewards, "VERIFY_TIMEOUT_S", 0.5)
-    return lambda: monkeypatch.setattr(rewards, "VERIFY_TIMEOUT_S", default)
+    default = math_verify_pool.VERIFY_TIMEOUT_S
+    monkeypatch.setattr(math_verify_pool, "VERIFY_TIMEOUT_S", 0.5)
+    return lambda: monkeypatch.setattr(math_verify_pool, "VERIFY_TIMEOUT_S", default)
 
 
 @pytest.mark.timeout(60)

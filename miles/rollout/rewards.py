@@ -24,8 +24,8 @@ last `####`), a MATH solution (its answer is its last `\\boxed{}`) or the answer
   "Answer:"; a response without one scores -1. Values are compared as in `math`, not as strings.
 - `exact`: 1.0 / 0.0. The response, stripped, equals the label, stripped.
 
-math-verify (sympy underneath) runs in worker processes with a deadline of VERIFY_TIMEOUT_S per
-sample: a pathological answer (`\\boxed{9^{9^{9^{9}}}}`) scores 0 with one warning instead of
+math-verify runs in worker processes (`miles.rollout.math_verify_pool`) with a deadline per
+answer: a pathological answer (`\\boxed{9^{9^{9^{9}}}}`) scores 0 with one warning instead of
 hanging the run, whichever thread calls the reward. It is imported only there, so importing this
 module stays cheap.
 """
@@ -37,32 +37,23 @@ import concurrent.futures
 import functools
 import importlib
 import inspect
-import json
 import logging
 import os
-import queue
 import re
-import select
-import subprocess
 import sys
-import threading
-import time
 import traceback
 from collections.abc import Callable
 from fractions import Fraction
-from pathlib import Path
 from typing import NamedTuple
 
 from miles.bridge.types import Sample
 from miles.errors import UsageError
+from miles.rollout import math_verify_pool
 
 logger = logging.getLogger("miles")
 
 RewardFn = Callable[[Sample], float]
 REWARD_FUNCTIONS: dict[str, RewardFn] = {}
-
-VERIFY_TIMEOUT_S = 5.0  # per sample, for math-verify's parse + verify; over it the sample scores 0
-
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     def decorator(fn: RewardFn) -> RewardFn:
@@ -241,127 +232,8 @@ def _matches(gold: str, answer: _Answer, sample: Sample) -> bool:
     return _verify(gold, answer.for_math_verify(), sample)
 
 
-# ---------------------------------------------------------------------- math-verify, in workers
-
-_LETTER = re.compile(r"\s*(?:\\text(?:bf)?\{)?\s*\(?([A-E])\)?\s*\}?\s*")
-_E_NOTATION = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)[eE]([+-]?\d+)(?![\w.])")
-
-
-def _math_verify_equal(gold: str, pred: str) -> bool:
-    """math-verify's verdict on `pred` (a response, or one answer of it) against the gold answer.
-
-    Runs in a worker (see `_serve`): the gold is parsed as one boxed answer, the prediction with
-    the box first, then "final answer is", LaTeX and plain expressions; a letter gold ("B",
-    "\\text{(C)}") also reads a letter after "answer". Math-verify's own signal-based timeouts are
-    off: they only work in the main thread, and the worker's deadline replaces them.
-    """
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, StringExtractionConfig, parse, verify
-
-    pred_config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
-    if letter := _LETTER.fullmatch(gold):
-        gold = letter[1]
-        pred = re.sub(r"\(([A-E])\)", r" \1", pred)  # "(B)" is B; math-verify wants a bare letter
-        strings = StringExtractionConfig(strings=tuple("ABCDE"), try_extract_without_anchor=False, lowercase=False)
-        pred_config.append(strings)
-    # math-verify reads 6.02e23 as 6.02 * Euler's e * 23.
-    gold, pred = (_E_NOTATION.sub(r"\1\\times10^{\2}", s.replace("\u2212", "-")) for s in (gold, pred))
-    gold_parsed = parse(f"\\boxed{{{gold}}}", [LatexExtractionConfig(), ExprExtractionConfig()], parsing_timeout=None)
-    pred_parsed = parse(pred, pred_config, parsing_timeout=None)
-    return bool(gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=None))
-
-
-def _serve() -> None:
-    """A worker's loop: one JSON [gold, pred, seconds] line in, one "1"/"0" line out, until EOF."""
-    import resource
-
-    out = os.fdopen(os.dup(1), "w")  # the reply channel; anything a library prints goes to stderr
-    os.dup2(2, 1)
-    logging.disable(logging.WARNING)  # math-verify warns that its timeouts are off: ours replace them
-    _math_verify_equal("\\frac{1}{2}", "0.5")  # loads sympy and the LaTeX parser, so deadlines cover only work
-    out.write("ready\n")
-    out.flush()
-    for line in sys.stdin:
-        gold, pred, seconds = json.loads(line)
-        # The parent kills a worker that misses its deadline; should the parent be gone, the kernel
-        # does it (SIGXCPU) once this request has used its seconds of CPU time and a second or two.
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
-        soft = int(usage.ru_utime + usage.ru_stime + seconds) + 2
-        resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
-        try:
-            verdict = _math_verify_equal(gold, pred)
-        except Exception:  # a parse that sympy cannot handle is a wrong answer, not a crash
-            verdict = False
-        out.write("1\n" if verdict else "0\n")
-        out.flush()
-
-
-class _Worker:
-    """One child process running `_serve`; it is killed, not reused, when it misses a deadline."""
-
-    START_TIMEOUT_S = 120.0  # importing sympy on a busy node can take a while
-
-    def __init__(self) -> None:
-        root = str(Path(__file__).resolve().parents[2])  # the directory that holds this `miles/`
-        code = f"import sys; sys.path.insert(0, {root!r}); from miles.rollout.rewards import _serve; _serve()"
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self._buffer = b""  # read with os.read, past the pipe's own buffer, so select sees all
-        try:
-            while self._read_line(self.START_TIMEOUT_S) != "ready":  # skip whatever startup printed
-                pass
-        except (TimeoutError, EOFError) as e:
-            self.kill()
-            raise RuntimeError("the math-verify worker did not start (its error is above); "
-                               "install it with pip install 'math-verify>=0.8'") from e
-
-    def _read_line(self, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self._buffer:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
-                raise TimeoutError
-            chunk = os.read(self.proc.stdout.fileno(), 4096)
-            if not chunk:
-                raise EOFError("the math-verify worker exited")
-            self._buffer += chunk
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        return line.decode()
-
-    def equal(self, gold: str, pred: str, timeout: float) -> bool:
-        self.proc.stdin.write(json.dumps([gold, pred, timeout]).encode() + b"\n")
-        self.proc.stdin.flush()
-        return self._read_line(timeout) == "1"
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-
-_MAX_WORKERS = min(4, os.cpu_count() or 1)
-_worker_slots = threading.BoundedSemaphore(_MAX_WORKERS)  # each slot: one worker, busy or idle
-_idle_workers: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
-
-
 def _verify(gold: str, pred: str, sample: Sample) -> bool:
-    """math-verify's verdict within VERIFY_TIMEOUT_S; a miss (or a dead worker) is a wrong answer."""
-    with _worker_slots:
-        try:
-            worker = _idle_workers.get_nowait()
-        except queue.Empty:
-            worker = _Worker()
-        try:
-            verdict = worker.equal(gold, pred, VERIFY_TIMEOUT_S)
-        except (TimeoutError, EOFError, OSError) as e:
-            worker.kill()
-            what = f"no verdict within {VERIFY_TIMEOUT_S:g} s" if isinstance(e, TimeoutError) else "its worker died"
-            logger.warning("reward: math-verify gave %s on sample %s (answer of %d chars); scored 0",
-                           what, sample.index, len(pred))
-            return False
-        except BaseException:  # Ctrl-C mid-answer: the worker may be stuck, do not leave it behind
-            worker.kill()
-            raise
-        _idle_workers.put(worker)
-        return verdict
+    return math_verify_pool.equal(gold, pred, what=f"sample {sample.index}")
 
 
 # ------------------------------------------------------------------------------ built-in rewards
