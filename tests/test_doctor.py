@@ -3,6 +3,8 @@ clean run, `--json`, `--bundle` (content and redaction), and bad input.
 
 Fixtures under tests/fixtures/doctor/ are the text each component really prints: miles run dirs, SGLang's
 scheduler traceback, NCCL's watchdog, a Ray session's worker logs, slime/Megatron, verl and TRL stdout.
+The miles run dirs of the symptom cases are log excerpts with no `Done:` line: by the run-state contract
+they are killed runs, so their first finding is `run_killed` and the symptom comes right after it.
 """
 
 import json
@@ -29,6 +31,14 @@ def doctor(capsys, *args):
 def findings(capsys, *paths):
     rc, out, _ = doctor(capsys, *paths, "--json")
     return rc, json.loads(out)
+
+
+FATES = {"run_crashed", "run_error", "run_signal", "run_nonfinite", "run_killed"}  # how a run ended
+
+
+def symptoms(report):
+    """The findings after the run-state ones."""
+    return [f for f in report["findings"] if f["id"] not in FATES]
 
 
 # (fixture, id of the first finding, words of its symptom, words of its fix)
@@ -59,7 +69,7 @@ CASES = [
 def test_each_culprit_is_named_first(capsys, fixture, fid, symptom, fix):
     rc, report = findings(capsys, FIX / fixture)
     assert rc == 1
-    top = report["findings"][0]
+    top = symptoms(report)[0]
     assert (top["id"], symptom in top["symptom"], fix in top["fix"]) == (fid, True, True), top
     assert top["likely_culprit"] and top["level"] in ("high", "medium")
     # Evidence quotes the real line: `file:N` holds exactly the text shown (secrets redacted).
@@ -99,8 +109,8 @@ def test_megatron_nan_blames_fp8_when_fp8_is_on(capsys):
 def test_miles_verdict_lines_are_surfaced_with_their_culprit(capsys):
     _, report = findings(capsys, FIX / "weight_sync_fail")
     ids = [f["id"] for f in report["findings"]]
-    assert ids == ["weight_sync_mismatch", "train_engine_mismatch"]
-    align = report["findings"][1]
+    assert ids == ["run_killed", "weight_sync_mismatch", "train_engine_mismatch"]  # an excerpt: no `Done:` line
+    align = report["findings"][2]
     assert align["symptom"].startswith("Alignment check FAIL: trainer vs engine")
     assert align["fix"] == "--check-weight-update-equal; `miles check-weights`; compare engine buffers"
 
@@ -126,7 +136,7 @@ def test_garbled_rollout_although_parameters_loaded(capsys, tmp_path):
     shutil.copytree(FIX / "garbled_loaded", run)
     _write_dump(run / "dumps" / "data_0.pt", GARBLED, LOOPING)
     rc, report = findings(capsys, run)
-    top = report["findings"][0]
+    top = symptoms(report)[0]
     assert rc == 1 and top["id"] == "garbled_rollout", top
     assert top["symptom"] == "garbled rollout although parameters loaded"
     assert "chat-template mismatch" in top["likely_culprit"] and "dropped buffers" in top["likely_culprit"]
@@ -247,7 +257,9 @@ def test_an_unknown_error_is_still_pointed_at(capsys, tmp_path):
 def test_json_output_shape(capsys):
     rc, report = findings(capsys, FIX / "oom_colocate", FIX / "clean_run")
     assert rc == 1
-    assert set(report) == {"paths", "findings", "signal_phrases", "read", "skipped", "bundle"}
+    assert set(report) == {"paths", "findings", "signal_phrases", "runs", "read", "skipped", "bundle"}
+    assert report["runs"] == [{"dir": str(FIX / "clean_run"), "state": "finished", "detail": (
+        f"finished: {FIX / 'clean_run' / 'train.log'}:33: Done: 3 steps; metrics in runs/clean/metrics.jsonl")}]
     f = report["findings"][0]
     assert set(f) == {"id", "symptom", "confidence", "level", "evidence", "likely_culprit", "fix"}
     assert 0 < f["confidence"] <= 1 and all(set(e) == {"where", "text"} for e in f["evidence"])
@@ -261,8 +273,10 @@ def test_json_output_shape(capsys):
 def test_text_output_ranks_and_explains(capsys):
     rc, out, _ = doctor(capsys, FIX / "weight_sync_fail")
     assert rc == 1
-    assert out.startswith("miles doctor: 2 finding(s) from 1 file(s), most likely first")
-    assert out.index("1. engine weights differ") < out.index("2. Alignment check FAIL")
+    assert out.startswith("miles doctor: 3 finding(s) from 1 file(s), most likely first")
+    # How the run ended first (medium, 0.70), above the more confident symptoms.
+    assert out.index("1. run was killed (no Done: line, no error): last finished step 1 of 2  [confidence medium") \
+        < out.index("2. engine weights differ") < out.index("3. Alignment check FAIL")
     assert "   evidence: " in out and "   likely culprit: " in out and "   fix: " in out
 
 
@@ -277,7 +291,7 @@ def test_huge_file_is_read_head_and_tail_with_true_line_numbers(capsys, tmp_path
     log.write_text("\n".join(lines) + "\n")
     (tmp_path / "core.log").write_bytes(b"\x7fELF\x00\x00binary")  # a binary under a text name
     (tmp_path / "model.safetensors").write_bytes(b"\x00" * 64)
-    rc, report = findings(capsys, tmp_path)
+    _, report = findings(capsys, tmp_path)
     f = report["findings"][0]
     assert f["id"] == "illegal_memory_access" and f["evidence"][0]["where"].endswith("stdout.log:5001")
     assert any("head and tail only" in r for r in report["read"])
@@ -305,8 +319,8 @@ def test_bad_path_is_a_usage_error(capsys, tmp_path):
 def test_reading_text_logs_never_imports_torch():
     code = ("import sys; from miles.cli.main import main; rc = main(['doctor', sys.argv[1], '--json']); "
             "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
-    done = subprocess.run([sys.executable, "-c", code, str(FIX / "ray_nccl_weight_sync")], capture_output=True,
-                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run([sys.executable, "-c", code, str(FIX / "ray_nccl_weight_sync")], check=False,
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 1, done.stderr
 
 
@@ -388,3 +402,240 @@ def test_redact_keeps_what_is_not_a_secret():
     assert redact("wandb login 0123456789abcdef0123456789abcdef01234567") == "wandb login <redacted>"
     assert redact_config({"label_key": "answer", "api_key": "k", "hf_token": None, "n": {"secret": "x"}}) == \
         {"label_key": "answer", "api_key": "<redacted>", "hf_token": None, "n": {"secret": "<redacted>"}}
+
+
+# -- how the run ended: crashed, stopped, killed, still running ------------------------------------
+
+def _lock(run: Path, pid: int, host: str | None = None) -> None:
+    import datetime
+    import socket
+
+    (run / ".miles.lock").write_text(json.dumps({
+        "pid": pid, "host": host or socket.gethostname(), "command_line": "miles train --num-rollout 10",
+        "started": datetime.datetime.now().isoformat(timespec="seconds")}))
+
+
+def _copy(tmp_path: Path, fixture: str) -> Path:
+    run = tmp_path / fixture
+    shutil.copytree(FIX / fixture, run)
+    return run
+
+
+def _dead_pid() -> int:
+    """A pid no process can have: above the kernel's limit."""
+    return int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+
+
+def _assert_quotes_real_lines(finding):
+    for e in finding["evidence"]:
+        path, _, line = e["where"].rpartition(":")
+        if line.isdigit():
+            assert Path(path).read_text().splitlines()[int(line) - 1].strip() == e["text"], e
+
+
+# (fixture, id, symptom, texts the evidence must hold, words of the culprit, words of the fix)
+FATE_CASES = [
+    ("crashed_run", "run_crashed", "run crashed: StatisticsError: mean requires at least one data point",
+     ["ERROR Crashed: StatisticsError: mean requires", "statistics.StatisticsError: mean requires at least one",
+      'File "/home/ana/project/my_rewards.py", line 14, in length_bonus'],
+     "raised in your code at /home/ana/project/my_rewards.py:14 (in length_bonus)",
+     "fix /home/ana/project/my_rewards.py:14"),
+    ("error_stopped_run", "run_error",
+     ("run stopped with an error: alignment check failed: trainer vs engine (see the `Alignment check` lines in "
+      "train.log)"),
+     ["ERROR error: alignment check failed: trainer vs engine"], "(exit 3)", "fix what the message names"),
+    ("sigterm_run", "run_signal", "run stopped by SIGTERM during step 3 of 10 (resumable)",
+     ["WARNING Stopped by SIGTERM during step 3 of 10"], "preemption",
+     ("resume: `miles train --hf-checkpoint /models/tiny-llama --num-rollout 10 --output-dir /runs/sigterm "
+      "--save-interval 1 --load /runs/sigterm/checkpoints`")),
+    ("nonfinite_stopped_run", "run_nonfinite",
+     "run stopped: non-finite values (skipped step(s) 4, 5, 6: non-finite grad_norm)",
+     ["ERROR Stopping: 3 consecutive steps with non-finite values", "WARNING Skipped step 4: non-finite grad_norm",
+      "WARNING Skipped step 6: non-finite grad_norm"], "chat template", "--precision fp32"),
+    ("killed_run", "run_killed", "run was killed (no Done: line, no error): last finished step 7 of 10",
+     ["INFO step 7/10 |", "INFO Saved rollout 7 (16 samples)", "is not alive"], "the OOM killer, `kill -9`",
+     "dmesg -T"),
+]
+
+
+@pytest.mark.parametrize("fixture,fid,symptom,evidence,culprit,fix", FATE_CASES, ids=[c[0] for c in FATE_CASES])
+def test_how_the_run_ended_is_the_top_finding(capsys, tmp_path, fixture, fid, symptom, evidence, culprit, fix):
+    run = _copy(tmp_path, fixture)
+    if fixture == "killed_run":
+        _lock(run, _dead_pid())
+    rc, report = findings(capsys, run)
+    top = report["findings"][0]
+    assert rc == 1 and (top["id"], top["symptom"]) == (fid, symptom), top
+    texts = [e["text"] for e in top["evidence"]]
+    for want in evidence:
+        assert any(want in t for t in texts), (want, texts)
+    assert culprit in top["likely_culprit"] and fix in top["fix"], top
+    assert [f["id"] for f in report["findings"]].count(fid) == 1
+    if fixture == "error_stopped_run":  # the FAIL that stopped it comes next
+        assert report["findings"][1]["symptom"].startswith("Alignment check FAIL: trainer vs engine")
+    _assert_quotes_real_lines(top)
+    assert report["runs"][0]["state"] == {"run_crashed": "crashed", "run_error": "error", "run_signal": "signal",
+                                          "run_nonfinite": "nonfinite", "run_killed": "killed"}[fid]
+
+
+def test_a_fate_outranks_more_confident_symptoms(capsys, tmp_path):
+    """A SIGTERM stop (medium confidence) still comes before a weight-sync FAIL (high)."""
+    run = _copy(tmp_path, "weight_sync_fail")
+    with open(run / "train.log", "a") as f:
+        f.write("2026-11-29 14:02:20 WARNING Stopped by SIGINT during step 2 of 2; saved checkpoints/step_1; "
+                "resume with --load /runs/x/checkpoints\n")
+    _, report = findings(capsys, run)
+    ids = [f["id"] for f in report["findings"]]
+    assert ids == ["run_signal", "weight_sync_mismatch", "train_engine_mismatch"]
+    top = report["findings"][0]
+    assert top["confidence"] < report["findings"][1]["confidence"]
+    assert top["symptom"] == "run stopped by SIGINT during step 2 of 2 (resumable)"
+    assert "Ctrl-C" in top["likely_culprit"]
+    assert "--load /runs/x/checkpoints" in top["fix"]
+
+
+def test_killed_run_with_a_reaped_childs_pid(capsys, tmp_path):
+    run = _copy(tmp_path, "killed_run")
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: its pid is free
+    _lock(run, child.pid)
+    _, report = findings(capsys, run)
+    top = report["findings"][0]
+    assert top["id"] == "run_killed" and top["confidence"] == 0.9
+    assert any(f"pid {child.pid} on this host" in e["text"] and "is not alive" in e["text"] for e in top["evidence"])
+
+
+def test_killed_run_without_a_lock_or_with_another_hosts_lock_says_so(capsys, tmp_path):
+    run = _copy(tmp_path, "killed_run")
+    _, report = findings(capsys, run)
+    top = report["findings"][0]
+    assert top["id"] == "run_killed" and top["confidence"] == 0.7
+    assert "no .miles.lock either" in top["likely_culprit"]
+    _lock(run, os.getpid(), host="gpu-node-17")  # a live pid here, but the lock is another host's
+    _, report = findings(capsys, run)
+    top = report["findings"][0]
+    assert top["id"] == "run_killed" and top["confidence"] == 0.5
+    assert top["likely_culprit"].startswith("if it is not still running on gpu-node-17")
+    assert "check on gpu-node-17 whether pid" in top["fix"]
+
+
+def test_a_live_run_is_no_death(capsys, tmp_path):
+    run = _copy(tmp_path, "live_run")
+    _lock(run, os.getpid())
+    rc, report = findings(capsys, run)
+    assert rc == 0 and report["findings"] == [], report["findings"]
+    assert report["runs"][0]["state"] == "running"
+    rc, out, _ = doctor(capsys, run)
+    assert f"{run}: in progress: pid {os.getpid()} on this host is alive" in out
+    assert "last finished step 3 of 10 (no `Done:` line yet, which is no death)" in out
+
+
+@pytest.mark.parametrize("fixture", ["clean_run", "resumed_finished_run"])
+def test_a_finished_run_has_no_fate(capsys, fixture):
+    """resumed_finished_run: preempted by SIGTERM, resumed into the same dir, then `Done:`."""
+    rc, report = findings(capsys, FIX / fixture)
+    assert rc == 0 and report["findings"] == [], report["findings"]
+    assert [r["state"] for r in report["runs"]] == ["finished"]
+
+
+def test_only_the_last_invocation_counts(capsys, tmp_path):
+    """An ending followed by a new start line is an earlier invocation's: here a crash, resumed, then killed;
+    and the `error:` line after the non-finite stop is that stop's exit message."""
+    run = _copy(tmp_path, "crashed_run")
+    with open(run / "train.log", "a") as f:
+        f.write("2026-12-01 11:00:00 INFO miles 0.1.0 | device=cpu precision=fp32 | output_dir=/runs/crashed\n"
+                "2026-12-01 11:00:03 INFO step 3/10 | reward 0.5 | loss 0.1 | grad_norm 1.0 | 0.1s\n")
+    _, report = findings(capsys, run)
+    assert report["findings"][0]["symptom"] == "run was killed (no Done: line, no error): last finished step 3 of 10"
+    run = _copy(tmp_path, "nonfinite_stopped_run")
+    with open(run / "train.log", "a") as f:
+        f.write("2026-12-01 10:00:13 ERROR error: 3 consecutive non-finite steps (--max-nonfinite-steps 3)\n")
+    _, report = findings(capsys, run)
+    assert report["findings"][0]["id"] == "run_nonfinite"
+
+
+def test_traceback_logged_one_record_per_line(capsys, tmp_path):
+    run = _copy(tmp_path, "crashed_run")
+    lines = (run / "train.log").read_text().splitlines()
+    k = next(i for i, line in enumerate(lines) if "Crashed:" in line)
+    lines[k + 1:] = [f"2026-12-01 10:00:09 ERROR {line}" for line in lines[k + 1:]]
+    (run / "train.log").write_text("\n".join(lines) + "\n")
+    _, report = findings(capsys, run)
+    top = report["findings"][0]
+    assert top["id"] == "run_crashed" and "at /home/ana/project/my_rewards.py:14" in top["likely_culprit"]
+    assert top["evidence"][1]["where"].endswith("train.log:30")  # the traceback's last line
+    # A message of two lines: the traceback starts one line further down.
+    lines = (FIX / "crashed_run" / "train.log").read_text().splitlines()
+    lines.insert(k + 1, "  (while scoring rollout 2)")
+    (run / "train.log").write_text("\n".join(lines) + "\n")
+    _, report = findings(capsys, run)
+    assert "at /home/ana/project/my_rewards.py:14" in report["findings"][0]["likely_culprit"]
+
+
+def test_two_crashed_runs_are_two_findings(capsys, tmp_path):
+    a, b = _copy(tmp_path / "a", "crashed_run"), _copy(tmp_path / "b", "crashed_run")
+    _, report = findings(capsys, a, b)
+    fates = [f for f in report["findings"] if f["id"] == "run_crashed"]
+    assert [f["evidence"][0]["where"].split("/crashed_run/")[0] for f in fates] == [str(tmp_path / "a"),
+                                                                                    str(tmp_path / "b")]
+
+
+def test_logs_of_other_frameworks_have_no_fate(capsys):
+    for fixture in ("slime_kl_config.log", "verl_moe_collapse.log", "trl_rewards_zero.log", "megatron_fp8_nan.log",
+                    "oom_colocate", "ray_worker_crashed", "plain_stdout.txt"):
+        _, report = findings(capsys, FIX / fixture)
+        assert not FATES & {f["id"] for f in report["findings"]} and report["runs"] == [], fixture
+
+
+# -- what cannot be read: FIFOs, sockets, devices, unreadable and non-UTF-8 files --------------------
+
+def _doctor_subprocess(*args):
+    return subprocess.run([sys.executable, "-m", "miles", "doctor", *map(str, args)], check=False,
+                          capture_output=True, text=True, timeout=30, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_a_fifo_named_train_log_is_skipped_not_opened(tmp_path):
+    os.mkfifo(tmp_path / "train.log")  # nobody writes to it: opening it for reading would wait forever
+    shutil.copy(FIX / "clean_run" / "metrics.jsonl", tmp_path / "metrics.jsonl")
+    done = _doctor_subprocess(tmp_path)
+    assert done.returncode in (0, 1), done.stderr
+    assert f"{tmp_path / 'train.log'} (a FIFO, not a regular file: not opened)" in done.stdout
+    assert f"{tmp_path / 'metrics.jsonl'} (metrics:" in done.stdout
+    done = _doctor_subprocess(tmp_path / "train.log", "--json")  # the FIFO itself, named on the command line
+    assert done.returncode == 2 and "a FIFO, not a regular file" in done.stderr
+
+
+def test_a_fifo_lock_or_dump_does_not_block(tmp_path):
+    run = _copy(tmp_path, "killed_run")
+    os.mkfifo(run / ".miles.lock")
+    (run / "dumps").mkdir()
+    os.mkfifo(run / "dumps" / "data_0.pt")
+    done = _doctor_subprocess(run, "--json")
+    assert done.returncode == 1, done.stderr
+    report = json.loads(done.stdout)
+    top = report["findings"][0]
+    assert top["id"] == "run_killed" and ".miles.lock is a FIFO, not a regular file" in top["likely_culprit"]
+    assert {"path": str(run / "dumps" / "data_0.pt"), "why": "a FIFO, not a regular file: not opened"} \
+        in report["skipped"]
+
+
+def test_unreadable_and_non_utf8_files_do_not_crash_it(capsys, tmp_path, monkeypatch):
+    from miles.debug.doctor import readers
+
+    run = _copy(tmp_path, "crashed_run")
+    (run / "config.json").write_bytes(b'{"command_line": "miles train \xff\xfe"}')
+    with open(run / "train.log", "ab") as f:
+        f.write(b"2026-12-01 10:00:10 INFO caf\xe9 \xff\n")
+    (run / "secret.log").write_text("x")
+    real = readers.open_regular
+
+    def no_permission(path):  # tests may run as root, which reads any mode: refuse as the kernel would
+        if Path(path).name == "secret.log":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(readers, "open_regular", no_permission)
+    rc, report = findings(capsys, run)
+    assert rc == 1 and report["findings"][0]["id"] == "run_crashed"
+    assert {"path": str(run / "secret.log"), "why": "Permission denied"} in report["skipped"]
+    assert any(r.startswith(str(run / "train.log")) for r in report["read"])

@@ -5,10 +5,11 @@
     miles doctor RUN --json                            # for machines
     miles doctor RUN --bundle bug.md                   # everything a bug report needs, secrets redacted
 
-Layout: `readers` turns the paths into a Corpus (log lines, metric series, configs, rollout dumps);
-`rules`, `crashes` and `signals` hold the knowledge, one rule per symptom of the debugging guide;
-`findings` merges and ranks; `bundle` writes the bug-report file. Nothing here imports torch, except
-reading rollout dumps and the bundle's version probe.
+Layout: `readers` turns the paths into a Corpus (log lines, metric series, configs, rollout dumps),
+opening only regular files (`files`); `run_state` says how each miles run ended (finished, crashed,
+stopped, killed, still running); `rules`, `crashes` and `signals` hold the knowledge, one rule per
+symptom of the debugging guide; `findings` merges and ranks; `bundle` writes the bug-report file.
+Nothing here imports torch, except reading rollout dumps and the bundle's version probe.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import json
 EPILOG = """\
 exit status: 0 no finding; 1 findings were reported (so `miles doctor RUN || ...` flags a sick run);
 2 bad usage or a PATH that does not exist / holds nothing readable (one `error:` line).
-Findings are ranked by confidence: high (>= 0.75), medium (>= 0.5), low."""
+How a run ended comes first (crashed, stopped with an error, by a signal or on non-finite values, or killed:
+no `Done:` line and no live lock); a run still in progress is no finding. The rest are ranked by
+confidence: high (>= 0.75), medium (>= 0.5), low."""
 
 
 def register(commands) -> None:
@@ -37,17 +40,21 @@ def register(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     from miles.debug.doctor.bundle import redact, write_bundle
     from miles.debug.doctor.readers import collect
+    from miles.debug.doctor.run_state import run_states
     from miles.debug.doctor.signals import signals
     from miles.errors import UsageError
 
     corpus = collect(args.paths)
     findings = diagnose(corpus)
     for f in findings:  # evidence (and culprits naming an error line) quote logs; logs hold tokens
-        f.symptom, f.culprit = redact(f.symptom), redact(f.culprit)
+        f.symptom, f.culprit, f.fix = redact(f.symptom), redact(f.culprit), redact(f.fix)  # fix: resume commands
         for e in f.evidence:
             e.text = redact(e.text)
     sigs = signals(corpus)
-    text = render(corpus, findings, sigs)
+    runs = run_states(corpus)
+    for r in runs:
+        r.detail = redact(r.detail)
+    text = render(corpus, findings, sigs, runs)
     bundle = None
     if args.bundle:
         try:
@@ -56,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--bundle {args.bundle}: cannot write there ({e.strerror or e})") from None
     if args.json:
         print(json.dumps({"paths": args.paths, "findings": [f.to_dict() for f in findings],
-                          "signal_phrases": [s.to_dict() for s in sigs], "read": corpus.read_list(),
+                          "signal_phrases": [s.to_dict() for s in sigs], "runs": [r.to_dict() for r in runs],
+                          "read": corpus.read_list(),
                           "skipped": [{"path": p, "why": w} for p, w in corpus.skipped],
                           "bundle": str(bundle) if bundle else None}, indent=2))
     else:
@@ -68,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
 
 def diagnose(corpus) -> list:
     """Every rule's findings, merged per symptom and ranked; an unknown error when nothing matched."""
-    from miles.debug.doctor import crashes, signals  # noqa: F401  (importing registers their rules)
+    from miles.debug.doctor import crashes, run_state, signals  # noqa: F401  (importing registers their rules)
     from miles.debug.doctor.findings import merge_and_rank
     from miles.debug.doctor.rules import RULES
 
@@ -76,7 +84,7 @@ def diagnose(corpus) -> list:
     return merge_and_rank(findings) or crashes.unrecognised_error(corpus)
 
 
-def render(corpus, findings: list, sigs: list) -> str:
+def render(corpus, findings: list, sigs: list, runs: list = ()) -> str:
     read = corpus.read_list()
     out = []
     if findings:
@@ -97,6 +105,8 @@ def render(corpus, findings: list, sigs: list) -> str:
     absent = [f"`{s.phrase}` ({s.absent_note})" for s in sigs if not s.count and not s.expected]
     if absent:
         out.append("  absent, as expected: " + ", ".join(absent))
+    if runs:
+        out.append("\nRuns (how each miles run dir ended):" + "".join(f"\n  {r.dir}: {r.detail}" for r in runs))
     shown = read if not findings else read[:8]
     out.append(f"\nRead {len(read)} file(s):" + "".join(f"\n  {r}" for r in shown)
                + (f"\n  ... and {len(read) - len(shown)} more" if len(read) > len(shown) else ""))

@@ -135,7 +135,7 @@ def _versions() -> str:
                      f"{torch.cuda.is_available()}")
         if torch.cuda.is_available():
             lines += [f"  gpu {i}: {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count())]
-    except Exception as e:  # a broken torch install is itself worth reporting
+    except Exception as e:  # noqa: BLE001  (a broken torch install is itself worth reporting)
         lines.append(f"torch: import failed ({type(e).__name__}: {e})")
     if shutil.which("nvidia-smi"):
         lines.append("nvidia-smi: " + _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
@@ -147,7 +147,7 @@ def _versions() -> str:
 
 def _run(cmd: list[str], timeout: float) -> str:
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout)
         return done.stdout.strip() or f"(no output; exit {done.returncode}: {done.stderr.strip()[:300]})"
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"(failed: {type(e).__name__}: {e})"

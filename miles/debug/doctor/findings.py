@@ -2,6 +2,9 @@
 
 Several rules can see the same symptom (miles' own `Alignment check` line and the metric it came from,
 say); findings with one `id` are merged so a user reads each problem once, with all its evidence.
+How a run ended (crashed, stopped, killed: `fate=True`) is the first thing to know, so those findings
+rank above every symptom, whatever their confidence; each is about one run dir (`scope`), so two
+crashed runs stay two findings.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ class Finding:
     evidence: list[Evidence] = field(default_factory=list)
     culprit: str = ""
     fix: str = ""
+    fate: bool = False  # how a run ended (run_state.py): ranked above the symptoms
+    scope: str = ""  # the run dir a fate is about: findings merge only within one scope
 
     @property
     def level(self) -> str:
@@ -37,18 +42,20 @@ class Finding:
 
 
 def merge_and_rank(findings: list[Finding]) -> list[Finding]:
-    """One finding per id (the most confident one's words, everyone's evidence), most confident first.
-    Ties keep rule order, which lists the more specific rules first."""
-    by_id: dict[str, Finding] = {}
-    order: list[str] = []
+    """One finding per id and scope (the most confident one's words, everyone's evidence): how runs
+    ended first, then the symptoms, each group most confident first. Ties keep rule order, which lists
+    the more specific rules first."""
+    by_id: dict[tuple[str, str], Finding] = {}
+    order: list[tuple[str, str]] = []
     for f in findings:
-        if f.id not in by_id:
-            by_id[f.id] = f
-            order.append(f.id)
+        key = (f.id, f.scope)
+        if key not in by_id:
+            by_id[key] = f
+            order.append(key)
             continue
-        kept, other = (f, by_id[f.id]) if f.confidence > by_id[f.id].confidence else (by_id[f.id], f)
+        kept, other = (f, by_id[key]) if f.confidence > by_id[key].confidence else (by_id[key], f)
         kept.evidence = kept.evidence + other.evidence
-        by_id[f.id] = kept
+        by_id[key] = kept
     for f in by_id.values():
         seen, unique = set(), []
         for e in f.evidence:
@@ -56,4 +63,4 @@ def merge_and_rank(findings: list[Finding]) -> list[Finding]:
                 seen.add((e.where, e.text))
                 unique.append(e)
         f.evidence = unique[:MAX_EVIDENCE]
-    return sorted((by_id[i] for i in order), key=lambda f: -f.confidence)
+    return sorted((by_id[k] for k in order), key=lambda f: (not f.fate, -f.confidence))

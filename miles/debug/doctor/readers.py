@@ -6,6 +6,9 @@ files, wandb's `output.log`) or one file. Everything text-like is kept line by l
 quote `file:line`; metric values are pulled into per-source series under canonical names
 (`reward`, `grad_norm`, `kl`, ...) whether they came from `metrics.jsonl` or from the text of a
 Miles / slime / verl / TRL / Megatron log. Binaries are skipped, huge files are read head and tail.
+Only regular files are opened: a FIFO, socket or device node (a `train.log` that is a named pipe, say)
+would block or never end, so it is listed as skipped instead. Beside a miles `train.log`, the run's
+lock file (`.miles.lock`: pid, host, start) is read too, for `run_state`.
 
 No torch at module level: only rollout dumps need it, and they import it when there are some.
 """
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
 
+from miles.debug.doctor.files import LOCK_NAME, not_regular, open_regular, read_lock
 from miles.errors import UsageError
 
 TEXT_SUFFIXES = {"", ".log", ".txt", ".out", ".err", ".stdout", ".stderr", ".json", ".jsonl", ".yaml", ".yml"}
@@ -124,6 +128,9 @@ class Corpus:
     configs: list[tuple[Path, dict]] = field(default_factory=list)
     dumps: list[DumpSummary] = field(default_factory=list)
     hashes: list[tuple[Path, int]] = field(default_factory=list)  # (file, rows)
+    # Run dir of each miles train.log -> its lock: the parsed JSON, a string saying why it is unusable,
+    # or None when there is none.
+    locks: dict[Path, dict | str | None] = field(default_factory=dict)
     bytes_read: int = 0
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, why)
     _grep_cache: dict = field(default_factory=dict, repr=False)
@@ -167,6 +174,8 @@ class Corpus:
         out += [f"{p} (config)" for p, _ in self.configs]
         out += [f"{d.path} (rollout dump, {d.samples} samples)" for d in self.dumps]
         out += [f"{p} (hashes, {n} rows)" for p, n in self.hashes]
+        out += [f"{d / LOCK_NAME} (run lock{': ' + lock if isinstance(lock, str) else ''})"
+                for d, lock in self.locks.items() if lock is not None]
         return out
 
 
@@ -177,10 +186,13 @@ def collect(paths: list[str]) -> Corpus:
         path = Path(raw)
         if not path.exists():
             raise UsageError(f"{raw}: no such file or directory")
-        files += [path] if path.is_file() else _walk(path, corpus)
+        files += _walk(path, corpus) if path.is_dir() else [path]
     dumps: list[Path] = []
     for path in dict.fromkeys(files):  # keep order, drop duplicates
-        if path.suffix == ".pt":
+        why = not_regular(path)
+        if why:
+            corpus.skipped.append((str(path), why))
+        elif path.suffix == ".pt":
             dumps.append(path)
         elif len(corpus.logs) + len(corpus.configs) >= MAX_FILES:
             corpus.skipped.append((str(path), f"over the {MAX_FILES}-file limit"))
@@ -215,8 +227,8 @@ def _walk(root: Path, corpus: Corpus) -> list[Path]:
 
 def _read_file(path: Path, corpus: Corpus) -> None:
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(HEAD_BYTES)
             if b"\0" in head[:8192]:
                 corpus.skipped.append((str(path), "binary"))
@@ -257,6 +269,8 @@ def _read_file(path: Path, corpus: Corpus) -> None:
     log = LogFile(path, text, numbers)
     log.kind = _kind(path, log.lines)
     corpus.logs.append(log)
+    if log.kind == "miles-train" and path.parent not in corpus.locks:
+        corpus.locks[path.parent] = read_lock(path.parent / LOCK_NAME)
     if log.kind == "miles-train" and (path.parent / "metrics.jsonl").is_file():
         return  # the same numbers, more precise, come from metrics.jsonl
     source = _text_metrics(log)
@@ -371,7 +385,7 @@ def _read_dumps(paths: list[Path], corpus: Corpus) -> None:
     from miles.bridge.rollout_dump import read_dump, samples_from_dump  # imports torch
 
     for path in chosen:
-        if path.stat().st_size > MAX_DUMP_BYTES:
+        if os.stat(path).st_size > MAX_DUMP_BYTES:
             corpus.skipped.append((str(path), "rollout dump too large"))
             continue
         try:

@@ -4,7 +4,8 @@ A rule is a function `Corpus -> list[Finding]`, registered with `@rule`. Signatu
 the failing component really prints (CUDA, SGLang, NCCL, Ray, Megatron, torch inductor), the metric
 values miles / Miles / slime / verl / TRL log, and miles' own verdict lines (`Alignment check`,
 `weight_sync check FAIL`). Confidence: 0.85-0.95 when the signature names the problem outright, ~0.6
-when it needs context the logs may not hold, below 0.5 for "worth a look".
+when it needs context the logs may not hold, below 0.5 for "worth a look". How a miles run ended
+(crashed, stopped, killed) is `run_state`'s, and ranks above all of these.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def alignment_checks(c: Corpus) -> list[Finding]:
             continue
         name, verdict, value = m["name"].strip(), m["verdict"], m["value"].strip()
         fid = _ALIGN_IDS.get(name, "alignment_" + re.sub(r"\W+", "_", name))
-        if name == "grad_norm" and re.match(r"-?(nan|inf)", value, re.I):
+        if name == "grad_norm" and re.match(r"-?(nan|inf)", value, re.IGNORECASE):
             fid = "nan_grad"
         elif name == "grad_norm" and value == "0":  # no gradient because no reward signal
             fid = "reward_constant"
