@@ -54,6 +54,8 @@ class RolloutConfig:
     sampling: SamplingParams
     rm_type: str
     custom_rm_path: str | None
+    reward_timeout: float
+    """Seconds one sample's reward may take before the run stops with an error naming the function."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,7 +93,13 @@ class RunConfig:
     """Seeds Python/NumPy/torch and every sample's sampling stream."""
     save: str | None
     save_interval: int | None
+    keep_checkpoints: int | None
+    """Keep the newest N step dirs (None: all)."""
     load: str | None
+    allow_branch: bool
+    """Resume from a step older than the save dir's newest, moving the newer ones aside."""
+    max_nonfinite_steps: int
+    """Consecutive steps skipped for NaN/Inf before the run stops (exit 3)."""
     use_tensorboard: bool
     use_wandb: bool
     wandb_project: str
@@ -142,7 +150,7 @@ def build_configs(args: argparse.Namespace) -> Configs:
             batch_size=a.rollout_batch_size, n_samples_per_prompt=a.n_samples_per_prompt,
             sampling=SamplingParams(max_new_tokens=a.rollout_max_response_len, temperature=a.rollout_temperature,
                                     top_p=a.rollout_top_p),
-            rm_type=a.rm_type, custom_rm_path=a.custom_rm_path),
+            rm_type=a.rm_type, custom_rm_path=a.custom_rm_path, reward_timeout=a.reward_timeout),
         train=TrainConfig(
             num_steps_per_rollout=a.num_steps_per_rollout, global_batch_size=a.global_batch_size,
             micro_batch_size=a.micro_batch_size, lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad,
@@ -150,7 +158,9 @@ def build_configs(args: argparse.Namespace) -> Configs:
             kl_coef=a.kl_coef, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
             use_tis=a.use_tis, tis_clip=a.tis_clip, calculate_per_token_loss=a.calculate_per_token_loss),
         run=RunConfig(output_dir=a.output_dir, num_rollout=a.num_rollout, seed=a.seed, save=a.save,
-                      save_interval=a.save_interval, load=a.load, use_tensorboard=a.use_tensorboard,
+                      save_interval=a.save_interval, keep_checkpoints=a.keep_checkpoints, load=a.load,
+                      allow_branch=a.allow_branch, max_nonfinite_steps=a.max_nonfinite_steps,
+                      use_tensorboard=a.use_tensorboard,
                       use_wandb=a.use_wandb, wandb_project=a.wandb_project, wandb_group=a.wandb_group),
         debug=DebugConfig(
             debug_rollout_only=a.debug_rollout_only, debug_train_only=a.debug_train_only,

@@ -1,4 +1,4 @@
-"""Errors that reach the user as one `error:` line (exit 2) instead of a traceback."""
+"""Errors that reach the user as one `error:` line instead of a traceback, and the stop by signal."""
 
 
 class UsageError(Exception):
@@ -9,7 +9,22 @@ class UsageError(Exception):
 
 
 class CheckFailed(Exception):
-    """A check the user asked to be fatal failed (alignment, weight sync, determinism).
-
-    The CLI prints it as `error: <message>` and exits with status 3.
+    """A check the user asked to be fatal failed (alignment, weight sync, determinism, non-finite
+    values). The CLI prints it as `error: <message>` and exits with status 3.
     """
+
+
+class RunFailed(Exception):
+    """The environment failed the run (disk full, a directory turned read-only). The CLI prints it
+    as `error: <message>` and exits with status 1."""
+
+
+class Stopped(BaseException):
+    """SIGTERM or SIGINT stopped the run. A BaseException, like KeyboardInterrupt, so that no
+    `except Exception` on the way (a reward function's, say) swallows it. Exit status 128 + signal."""
+
+    def __init__(self, signal_name: str, signal_number: int, immediate: bool = False):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+        self.exit_code = 128 + signal_number
+        self.immediate = immediate  # a second signal: stop now, even in the middle of a step

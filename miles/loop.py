@@ -28,16 +28,21 @@ from miles.data.prompts import PromptData, PromptDataset
 from miles.debug.alignment import CheckContext, report, run_checks
 from miles.debug.determinism import HashWriter, enable_deterministic_mode, rollout_hashes
 from miles.debug.print_rollout import log_rollout_samples
-from miles.errors import CheckFailed, UsageError
+from miles.errors import CheckFailed, Stopped, UsageError
 from miles.rollout.local import LocalEngine
 from miles.rollout.local.true_on_policy import TrainerComputationVerifier
 from miles.rollout.replay import ReplaySource
+from miles.rollout.reward_guard import guarded_reward
 from miles.rollout.rewards import RewardFn
 from miles.rollout.source import LiveRollout, RolloutSource, drop_long_prompts
 from miles.train.batch import score_sequences
-from miles.train.checkpoint import find_latest_checkpoint, load_trainer_state
+from miles.train.checkpoint import (Checkpointer, abandon, clean_temporaries, find_latest_checkpoint,
+                                    load_trainer_state, newer_steps)
 from miles.train.trainer import Trainer, mixed_precision
+from miles.utils.jsonl import reconcile
 from miles.utils.logging import MetricsWriter
+from miles.utils.rng import rng_state, set_rng_state
+from miles.utils.stopping import StopSignals
 from miles.utils.models import eos_token_ids, load_causal_lm, load_tokenizer, quiet_transformers, resolve_checkpoint
 
 logger = logging.getLogger("miles")
@@ -50,9 +55,12 @@ class Components:
     engine: LocalEngine | None  # None with --debug-train-only
     trainer: Trainer | None  # None with --debug-rollout-only
     transport: WeightTransport | None  # trainer -> engine; None when either side is absent
+    checkpoints: Checkpointer | None  # when to save; None without a trainer
     dataset: PromptDataset | None  # None when replaying dumps
     start_step: int  # steps already done (resume)
     check_context: CheckContext  # what the alignment check needs to know
+    done: int = 0  # the last step whose results are written
+    in_step: bool = False  # between a step's first update and its results being written
 
 
 def run_training(cfg: Configs, data: PromptData | None, reward_fn: RewardFn | None, config: dict) -> None:
@@ -64,39 +72,91 @@ def run_training(cfg: Configs, data: PromptData | None, reward_fn: RewardFn | No
                 cfg.model.precision, output_dir)
     if debug.deterministic_mode:
         enable_deterministic_mode(run.seed, cfg.model.device, cfg.model.attention_backend)
-    c = build_components(cfg, data, reward_fn)
-    hashes_out = HashWriter(output_dir) if debug.debug_determinism else None
-    dump_meta = dump_metadata(cfg)
-    metrics_out = MetricsWriter(output_dir, tensorboard=run.use_tensorboard,
-                                wandb_project=run.wandb_project if run.use_wandb else None,
-                                wandb_group=run.wandb_group, config=config)
+    signals, c, outputs = StopSignals(), None, []
+    signals.install()  # from here on SIGTERM / SIGINT are logged, and the last finished step saved
     try:
-        for step in range(c.start_step + 1, run.num_rollout + 1):
-            rollout_id = step - 1  # the engine holds the weights after `rollout_id` steps
-            step_start = time.perf_counter()
-            rollout = c.source.generate(rollout_id)
+        c = build_components(cfg, data, reward_fn, config)
+        for name in ("metrics.jsonl", "hashes.jsonl"):  # each step exactly once, also after a crash
+            if note := reconcile(output_dir / name, c.start_step):
+                logger.warning(note)
+        hashes_out = HashWriter(output_dir) if debug.debug_determinism else None
+        metrics_out = MetricsWriter(output_dir, tensorboard=run.use_tensorboard,
+                                    wandb_project=run.wandb_project if run.use_wandb else None,
+                                    wandb_group=run.wandb_group, config=config)
+        outputs = [w for w in (metrics_out, hashes_out) if w is not None]
+        train_steps(c, cfg, signals, metrics_out, hashes_out)
+    except Stopped as stop:
+        log_stop(c, cfg, stop)
+        raise
+    finally:
+        signals.restore()
+        for writer in outputs:
+            writer.close()
+    logger.info("Done: %d steps; metrics in %s", run.num_rollout - c.start_step, output_dir / "metrics.jsonl")
+
+
+def train_steps(c: Components, cfg: Configs, signals: StopSignals, metrics_out: MetricsWriter,
+                hashes_out: HashWriter | None) -> None:
+    """The steps themselves: generate, then (as one unit no signal splits) train, sync, record, save."""
+    run, debug = cfg.run, cfg.debug
+    dump_meta = dump_metadata(cfg)
+    c.done, nonfinite_steps = c.start_step, 0
+    for step in range(c.start_step + 1, run.num_rollout + 1):
+        rollout_id = step - 1  # the engine holds the weights after `rollout_id` steps
+        step_start = time.perf_counter()
+        rollout = c.source.generate(rollout_id)  # a signal here stops the run at once
+        with signals.deferred():  # from here on the step lands whole, or not at all
+            c.in_step = True
             metrics = {**rollout_metrics(rollout.samples), **rollout.stats}
             capture_rollout(cfg, rollout_id, rollout, metrics, dump_meta)
-            result = None
-            if c.trainer is not None:
-                result = train_and_sync(c, cfg, rollout.samples, step, metrics)
-                if step == run.num_rollout or (run.save_interval and step % run.save_interval == 0):
-                    extra = {"config": config, **({"data": c.dataset.fingerprint()} if c.dataset else {})}
-                    c.trainer.save(save_root(cfg), step, c.tokenizer, extra)
+            result = train_and_sync(c, cfg, rollout.samples, step, metrics) if c.trainer is not None else None
+            nonfinite_steps = nonfinite_steps + 1 if result and result.nonfinite else 0
             metrics["perf/step_time_s"] = time.perf_counter() - step_start
-
             if hashes_out is not None:
                 hashes_out.write(step, {**rollout_hashes(rollout.samples), **(result.hashes if result else {})})
-            metrics_out.write(step, metrics)
+            metrics_out.write(step, metrics)  # before the checkpoint: a kill between the two redoes the step
             log_step(step, run.num_rollout, metrics)
+            c.done, c.in_step = step, False
+            guard_nonfinite(c, result, step, nonfinite_steps, run.max_nonfinite_steps)
             if step == c.start_step + 1 and debug.alignment_check != "off":
-                log_rollout_samples(rollout_id, rollout.samples, limit=2)  # the guide's first look: is it coherent?
-                checks = run_checks(rollout.samples, metrics, result.diagnostics if result else None, c.check_context,
-                                    resumed_after=c.start_step)
+                log_rollout_samples(rollout_id, rollout.samples, limit=2)  # the guide's first look: coherent?
+                checks = run_checks(rollout.samples, metrics, result.diagnostics if result else None,
+                                    c.check_context, resumed_after=c.start_step)
                 report(checks, debug.alignment_check, step)
-    finally:
-        metrics_out.close()
-    logger.info("Done: %d steps; metrics in %s", run.num_rollout - c.start_step, output_dir / "metrics.jsonl")
+            if c.checkpoints is not None:
+                c.checkpoints.after_step(step)
+
+
+def guard_nonfinite(c: Components, result: TrainResult | None, step: int, bad_in_a_row: int, limit: int) -> None:
+    """Logs a step skipped for NaN/Inf; after `limit` in a row saves the (unchanged) weights and stops."""
+    if result is None or result.nonfinite is None:
+        return
+    logger.warning("Skipped step %d: non-finite %s; parameters and optimizer unchanged (%d in a row, "
+                   "--max-nonfinite-steps %d)", step, result.nonfinite, bad_in_a_row, limit)
+    if bad_in_a_row >= limit:
+        if c.checkpoints is not None:
+            c.checkpoints.save(step)
+        message = (f"Stopping: {bad_in_a_row} consecutive steps with non-finite values (--max-nonfinite-steps "
+                   f"{limit}); last: {result.nonfinite}")
+        logger.error(message)
+        raise CheckFailed(message.removeprefix("Stopping: ") + "; no NaN/Inf reached the weights")
+
+
+def log_stop(c: Components | None, cfg: Configs, stop: Stopped) -> None:
+    """The SIGTERM/SIGINT message: what was saved, how to resume. A stop between steps saves the
+    last finished one; an immediate stop mid-step (a second signal) cannot."""
+    if c is None:
+        logger.warning("Stopped by %s while the run was starting; nothing to save", stop.signal_name)
+        return
+    done, mid_step, saved = c.done, c.in_step, None
+    if c.checkpoints is not None and not mid_step:
+        saved = c.checkpoints.save(done) or (c.checkpoints.root / f"step_{done}" if done else None)
+    elif c.checkpoints is not None and c.checkpoints.saved_step:
+        saved = c.checkpoints.root / f"step_{c.checkpoints.saved_step}"
+    where = f"saved {saved}; resume with --load {cfg.run.output_dir}" if saved else "no checkpoint to resume from"
+    during = f"during step {done + 1} of {cfg.run.num_rollout}" if done < cfg.run.num_rollout else "after the last step"
+    logger.warning("Stopped by %s %s%s; %s", stop.signal_name, during,
+                   " (a second signal: the step in progress is lost)" if mid_step else "", where)
 
 
 def capture_rollout(cfg: Configs, rollout_id: int, rollout: RolloutBatch, metrics: dict, meta: dict) -> None:
@@ -144,18 +204,12 @@ def save_root(cfg: Configs) -> Path:
     return Path(cfg.run.save) if cfg.run.save else Path(cfg.run.output_dir) / "checkpoints"
 
 
-def build_components(cfg: Configs, data: PromptData | None, reward_fn: RewardFn | None) -> Components:
+def build_components(cfg: Configs, data: PromptData | None, reward_fn: RewardFn | None, config: dict) -> Components:
     model_cfg, run, debug = cfg.model, cfg.run, cfg.debug
     base = resolve_checkpoint(model_cfg.hf_checkpoint)
-    resume = find_latest_checkpoint(run.load) if run.load else None
     tokenizer = load_tokenizer(base)
-    load = dict(device=model_cfg.device, attention_backend=model_cfg.attention_backend)
-
-    state = load_trainer_state(resume) if resume is not None else None
+    resume, state = resume_point(cfg, config)
     start_step = state["step"] if state is not None else 0
-    if start_step >= run.num_rollout:
-        raise UsageError(f"--load {run.load}: the checkpoint is at step {start_step}, so --num-rollout "
-                         f"{run.num_rollout} leaves nothing to do; --num-rollout counts from step 1")
 
     engine = dataset = None
     if debug.load_debug_rollout_data:
@@ -168,38 +222,93 @@ def build_components(cfg: Configs, data: PromptData | None, reward_fn: RewardFn 
         source: RolloutSource = replay
     else:
         records = drop_long_prompts(data.records, tokenizer, apply_chat_template=cfg.data.apply_chat_template,
-                                    max_prompt_len=cfg.data.max_prompt_len)
+                                    max_prompt_len=cfg.data.max_prompt_len,
+                                    max_positions=_max_positions(base) - cfg.rollout.sampling.max_new_tokens)
         dataset = PromptDataset(records, shuffle=cfg.data.shuffle, seed=run.seed)
         if state is not None and "sha256" in state.get("data", {}):
             dataset.check_fingerprint(state["data"])
         engine = build_engine(resume or base, tokenizer, cfg, weight_version=start_step)
-        source = LiveRollout(cfg.rollout, engine, tokenizer, dataset, reward_fn,
+        name = f"--custom-rm-path {cfg.rollout.custom_rm_path}" if cfg.rollout.custom_rm_path else \
+            f"--rm-type {cfg.rollout.rm_type}"
+        source = LiveRollout(cfg.rollout, engine, tokenizer, dataset,
+                             guarded_reward(reward_fn, name, cfg.rollout.reward_timeout),
                              apply_chat_template=cfg.data.apply_chat_template, seed=run.seed)
 
-    trainer = None
+    trainer = checkpoints = None
     if debug.debug_rollout_only:
         logger.info("--debug-rollout-only: no trainer or reference model built; weight sync and checkpoint "
                     "saving are skipped")
     else:
-        policy = load_causal_lm(resume or base, **load)
-        ref = load_causal_lm(model_cfg.ref_load or base, **load) if cfg.train.needs_ref else None
-        trainer = Trainer(cfg.train, policy, ref, temperature=cfg.rollout.sampling.temperature,
-                          group_size=cfg.rollout.n_samples_per_prompt, pad_token_id=tokenizer.pad_token_id,
-                          precision=model_cfg.precision, record_hashes=debug.debug_determinism)
+        trainer = build_trainer(cfg, resume or base, base, tokenizer)
         if engine is None:
             logger.info("--debug-train-only: no rollout engine built; weight sync is skipped")
+        in_root = resume is not None and resume.parent.resolve() == save_root(cfg).resolve()
+
+        def extra_state() -> dict:
+            return {"config": config, "rng": rng_state(), **({"data": dataset.fingerprint()} if dataset else {})}
+
+        checkpoints = Checkpointer(trainer.save_fn(tokenizer), root=save_root(cfg), interval=run.save_interval,
+                                   keep=run.keep_checkpoints, last_step=run.num_rollout,
+                                   saved_step=start_step if in_root else 0, extra_state=extra_state)
     logger.info("Models in memory: %s", _model_memory(engine, trainer))
 
     if state is not None:
         if trainer is not None:
             trainer.load_state_dict(state)
+        if "rng" in state:  # last: loading models must not move the streams
+            set_rng_state(state["rng"])
         logger.info("Resuming after step %d from %s", start_step, resume)
     transport = InProcessTransport(engine) if engine is not None and trainer is not None else None
     rm_type = None if cfg.rollout.custom_rm_path else cfg.rollout.rm_type  # a custom reward's format is unknown
     context = CheckContext(vocab_size=_vocab_size(base, tokenizer), precision=model_cfg.precision,
                            has_template=bool(tokenizer.chat_template), applied_template=cfg.data.apply_chat_template,
                            rm_type=rm_type, label_key=cfg.data.label_key)
-    return Components(tokenizer, source, engine, trainer, transport, dataset, start_step, context)
+    return Components(tokenizer, source, engine, trainer, transport, checkpoints, dataset, start_step, context)
+
+
+def resume_point(cfg: Configs, config: dict) -> tuple[Path | None, dict | None]:
+    """The checkpoint --load names and its trainer state (None, None for a fresh run), after the
+    lineage checks: no resume past --num-rollout, no silent branch from an older step of the save
+    dir; leftovers of a killed save are removed and changed flags listed."""
+    run, root = cfg.run, save_root(cfg)
+    if freed := clean_temporaries(root):
+        logger.info("Removed unfinished checkpoint dirs (%.1f MiB) left in %s by a save that was killed", freed / 2**20,
+                    root)
+    if not run.load:
+        return None, None
+    resume = find_latest_checkpoint(run.load)
+    state = load_trainer_state(resume)
+    step = state["step"]
+    if step >= run.num_rollout:
+        raise UsageError(f"--load {run.load}: the checkpoint is at step {step}, so --num-rollout "
+                         f"{run.num_rollout} leaves nothing to do; --num-rollout counts from step 1")
+    if newer := newer_steps(root, step):
+        if not run.allow_branch:
+            raise UsageError(f"--load {resume}: the save dir {root} already holds later steps ({', '.join(f'step_{n}' for n in newer)}) "
+                             f"of this run; resuming from step {step} would mix two lineages. Resume the latest "
+                             f"(--load {root}), pass --allow-branch (the later steps are moved aside), or a new --save")
+        aside = abandon(root, step)
+        logger.warning("--allow-branch: resuming from step %d; moved the later steps %s to %s", step,
+                       ", ".join(f"step_{n}" for n in newer), aside)
+    if changed := changed_flags(state.get("config", {}), config):
+        logger.warning("Resuming with flags that differ from the checkpoint's run (this run's apply, the optimizer's "
+                       "learning rate and weight decay included): %s", "; ".join(changed))
+    return resume, state
+
+
+def changed_flags(before: dict, now: dict) -> list[str]:
+    bookkeeping = {"command_line", "invocations", "load", "output_dir", "allow_branch"}
+    return [f"--{key.replace('_', '-')} {now[key]} (was {before[key]})" for key in sorted(now)
+            if key not in bookkeeping and key in before and before[key] != now[key]]
+
+
+def build_trainer(cfg: Configs, weights: Path, base: Path, tokenizer) -> Trainer:
+    load = dict(device=cfg.model.device, attention_backend=cfg.model.attention_backend)
+    policy = load_causal_lm(weights, **load)
+    ref = load_causal_lm(cfg.model.ref_load or base, **load) if cfg.train.needs_ref else None
+    return Trainer(cfg.train, policy, ref, temperature=cfg.rollout.sampling.temperature,
+                   group_size=cfg.rollout.n_samples_per_prompt, pad_token_id=tokenizer.pad_token_id,
+                   precision=cfg.model.precision, record_hashes=cfg.debug.debug_determinism)
 
 
 def build_engine(path, tokenizer, cfg: Configs, *, weight_version: int) -> LocalEngine:
@@ -221,6 +330,12 @@ def build_engine(path, tokenizer, cfg: Configs, *, weight_version: int) -> Local
                 "micro-batch %d, %s) and reports its log-probs", cfg.train.micro_batch_size, model_cfg.precision)
     return LocalEngine(model, eos_token_ids=eos_token_ids(model, tokenizer), autocast=autocast,
                        verifier=TrainerComputationVerifier(score), **common)
+
+
+def _max_positions(base: Path) -> int:
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(base), "max_position_embeddings", None) or 1 << 30
 
 
 def _vocab_size(base: Path, tokenizer) -> int:

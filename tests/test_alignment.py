@@ -234,11 +234,16 @@ def test_a_model_with_one_nan_weight_passes_no_check(tiny_args, tiny_model, tmp_
     weights = load_file(nan_model / "model.safetensors")
     weights["model.layers.1.mlp.down_proj.weight"][3, 5] = float("nan")
     save_file(weights, nan_model / "model.safetensors", metadata={"format": "pt"})
-    out = run(swap_model(tiny_args, nan_model), "--use-kl-loss", "--kl-loss-coef", "0.1", "--num-rollout", "1")
+    from miles.cli.main import main
+
+    argv = swap_model(tiny_args, nan_model) + ["--use-kl-loss", "--kl-loss-coef", "0.1", "--num-rollout", "1"]
+    assert main(argv) == 3  # and the final checkpoint, which would hold the NaN, is refused
+    out = tmp_path / "run"
     lines = {name: verdict_of(out, name) for name in ("rollout coherence", "log_probs vs ref", "trainer vs engine",
                                                        "response NLL", "grad_norm")}
     for name, line in lines.items():
         assert "| FAIL |" in line, line
+    assert not (out / "checkpoints" / "step_1").exists()
 
 
 def test_a_resumed_run_checks_what_still_holds(tiny_args, tmp_path):

@@ -82,9 +82,11 @@ def test_bad_input_is_one_error_line_before_torch(flags, fragments, data_dir, tm
 
 
 def test_existing_run_dir_is_not_overwritten(tmp_path):
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
-    assert_usage_error(miles("train", "--output-dir", str(tmp_path / "run")), "already holds a run", "--load")
+    (tmp_path / "run" / "checkpoints" / "step_2").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step_2" / "trainer_state.pt").write_bytes(b"")
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    assert_usage_error(miles("train", "--output-dir", str(tmp_path / "run")), "already holds a run",
+                       "checkpoints up to step_2", f"--load {tmp_path / 'run'}")
 
 
 def test_chat_template_missing_is_a_usage_error(tiny_model, tmp_path):

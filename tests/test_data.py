@@ -1,9 +1,11 @@
 """Tests for miles.data.prompts: loading/validating --prompt-data, rendering, and the dataset walk."""
 
+import datetime
 import json
 import re
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from miles.data.prompts import (
     BUNDLED_INPUT_KEY,
     BUNDLED_LABEL_KEY,
     BUNDLED_TASK,
+    MAX_PROMPT_CHARS,
     PromptData,
     PromptDataset,
     PromptRecord,
@@ -28,9 +31,9 @@ def write_jsonl(path, rows):
     return str(path)
 
 
-def load_err(path, input_key="prompt", label_key=None) -> str:
+def load_err(path, input_key="prompt", label_key=None, **kwargs) -> str:
     with pytest.raises(UsageError) as ei:
-        load_prompt_data(str(path), input_key, label_key)
+        load_prompt_data(str(path), input_key, label_key, **kwargs)
     msg = str(ei.value)
     assert "\n" not in msg  # one `error:` line for the user
     return msg
@@ -127,6 +130,25 @@ def test_corrupt_parquet(tmp_path):
     p.write_bytes(b"this is not parquet")
     msg = load_err(p)
     assert "--prompt-data" in msg and str(p) in msg and "parquet" in msg
+
+
+def test_parquet_with_a_column_name_twice(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    p = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_arrays([pa.array(["a"]), pa.array(["b"])], names=["prompt", "prompt"]), p)
+    assert load_err(p) == f"--prompt-data {p}: column 'prompt' appears 2 times; give each column its own name"
+
+
+def test_parquet_with_a_column_name_not_utf8(tmp_path):
+    """Found by tests/test_fuzz.py: one flipped bit in the footer, and pyarrow reads a table whose
+    column_names raises UnicodeDecodeError."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    p = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"prompt": ["a"], "zzzzzz": ["b"]}), p, store_schema=False)
+    p.write_bytes(p.read_bytes().replace(b"zzzzzz", b"\xc0zzzzz"))
+    assert load_err(p).startswith(f"--prompt-data {p}: a column name is not UTF-8 (")
 
 
 def test_messages_input(tmp_path):
@@ -253,6 +275,147 @@ def test_label_key_null_everywhere(tmp_path):
     p = tmp_path / "d.jsonl"
     write_jsonl(p, [{"prompt": "q1", "label": None}, {"prompt": "q2", "label": None}])
     assert "--label-key 'label'" in load_err(p, "prompt", "label")
+
+
+# ---------------------------------------------------------------- hostile rows
+
+
+@pytest.mark.parametrize("prompt", ["", "   ", " \n\t ", [{"role": "user", "content": ""}],
+                                    [{"role": "system", "content": " "}, {"role": "user", "content": "\n"}]])
+def test_empty_prompt(tmp_path, prompt):
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ok"}, {"prompt": prompt}])
+    msg = load_err(p)
+    assert msg.startswith(f"{p} line 2: --input-key 'prompt' is empty") and "drop the row" in msg
+
+
+def test_prompt_with_one_non_empty_message(tmp_path):
+    msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "hi"}]
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": msgs}])
+    assert load_prompt_data(p, "prompt", None).records[0].prompt == msgs
+
+
+def test_prompt_of_max_length_is_accepted(tmp_path):
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x" * MAX_PROMPT_CHARS}])
+    assert len(load_prompt_data(p, "prompt", None).records[0].prompt) == MAX_PROMPT_CHARS
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_huge_prompt_names_its_line_and_length(tmp_path, chat):
+    half = MAX_PROMPT_CHARS // 2 + 1  # two messages of half the limit each: over it together
+    prompt = [{"role": "user", "content": "x" * half}] * 2 if chat else "x" * (2 * half)
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ok"}, {"prompt": "ok"}, {"prompt": prompt}])
+    assert load_err(p) == (f"{p} line 3: --input-key 'prompt' is {2 * half:,} characters long, more than "
+                           f"MAX_PROMPT_CHARS ({MAX_PROMPT_CHARS:,}), far beyond any model's context; shorten or "
+                           "drop the row")
+
+
+def test_one_50mb_line_is_not_held_twice(tmp_path):
+    """The file is read line by line: at its peak the loader holds the one huge line and its parsed
+    row (2x), where reading the whole text and splitting it held three copies."""
+    p = tmp_path / "d.jsonl"
+    with p.open("w") as f:
+        f.write('{"prompt": "short"}\n')
+        f.write('{"prompt": "' + "y" * 50_000_000 + '"}\n')
+    size = p.stat().st_size
+    tracemalloc.start()
+    try:
+        msg = load_err(p)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert msg.startswith(f"{p} line 2: --input-key 'prompt' is 50,000,000 characters long")
+    assert peak < 2.5 * size, peak / size
+
+
+@pytest.mark.parametrize("escaped, where", [
+    ('{"prompt": "2 + 2 = \\ud800?"}', "--input-key 'prompt' holds a lone surrogate (U+D800, at character 8)"),
+    ('{"prompt": [{"role": "user", "content": "\\udfff"}]}', "--input-key 'prompt' holds a lone surrogate (U+DFFF"),
+    ('{"prompt": "hi", "label": "\\udc80"}', "--label-key 'label' holds a lone surrogate (U+DC80"),
+    ('{"prompt": "hi", "label": {"answers": ["4", "\\ud83d"]}}', "--label-key 'label' holds a lone surrogate"),
+])
+def test_lone_surrogate(tmp_path, escaped, where):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"prompt": "ok", "label": "1"}\n' + escaped + "\n")
+    msg = load_err(p, "prompt", "label")
+    assert msg.startswith(f"{p} line 2: {where}") and "crash the tokenizer" in msg
+
+
+def test_surrogate_pair_is_one_character(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"prompt": "smile \\ud83d\\ude00", "label": "\\ud83d\\ude00"}\n')  # an emoji, escaped
+    rec = load_prompt_data(str(p), "prompt", "label").records[0]
+    assert rec.prompt == "smile \U0001F600" and rec.label == "\U0001F600"
+
+
+@pytest.mark.parametrize("label", [["4", "four"], {"answer": "4"}])
+def test_structured_label_with_a_built_in_reward(tmp_path, label):
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "label": "1"}, {"prompt": "b", "label": label}])
+    msg = load_err(p, "prompt", "label", scalar_labels=True)
+    assert msg.startswith(f"{p} line 2: --label-key 'label' is a {type(label).__name__} (")
+    assert "built-in --rm-type rewards compare one answer" in msg and "--custom-rm-path" in msg
+
+
+@pytest.mark.parametrize("label", [["4", "four"], {"answer": "4", "alts": [4, 4.0]}])
+def test_structured_label_with_a_custom_reward_passes_through(tmp_path, label):
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "b", "label": label}])
+    got = load_prompt_data(p, "prompt", "label").records[0].label
+    assert got == label and type(got) is type(label)  # a list stays a list, not its str()
+
+
+def test_scalar_labels_accepts_scalars(tmp_path):
+    rows = [{"prompt": "a", "label": "1"}, {"prompt": "b", "label": 2}, {"prompt": "c", "label": 2.5},
+            {"prompt": "d", "label": True}, {"prompt": "e"}]
+    data = load_prompt_data(write_jsonl(tmp_path / "d.jsonl", rows), "prompt", "label", scalar_labels=True)
+    assert [r.label for r in data.records] == ["1", 2, 2.5, True, None]
+
+
+def test_parquet_list_label_with_a_built_in_reward(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    p = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b"], "label": [["1"], ["2", "two"]]}), p)
+    assert load_err(p, "prompt", "label", scalar_labels=True).startswith(f"{p} row 1: --label-key 'label' is a list")
+    assert load_prompt_data(str(p), "prompt", "label").records[1].label == ["2", "two"]
+
+
+def test_parquet_nanosecond_timestamps(tmp_path):
+    """pandas writes nanosecond timestamps, which Python's datetime cannot hold: they come as strings."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    p = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"prompt": ["a"], "at": pa.array([1], pa.timestamp("ns")),
+                             "day": pa.array([datetime.datetime(2024, 1, 2)], pa.timestamp("ns"))}), p)
+    assert load_prompt_data(str(p), "prompt", None).records[0].metadata == {
+        "at": "1970-01-01 00:00:00.000000001", "day": datetime.datetime(2024, 1, 2)}
+
+
+@pytest.mark.parametrize("line, reason", [
+    ('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", "invalid JSON (nested too deeply)"),
+    ('{"prompt": "a", "n": ' + "9" * 5000 + "}", "invalid JSON (Exceeds the limit (4300 digits)"),
+])
+def test_json_python_cannot_hold(tmp_path, line, reason):
+    p = tmp_path / "d.jsonl"
+    p.write_text(line + "\n")
+    assert load_err(p).startswith(f"{p} line 1: {reason}")
+    q = tmp_path / "d.json"
+    q.write_text("[" + line + "]")
+    assert load_err(q).startswith(f"{q}: {reason}")
+
+
+def test_line_separator_inside_a_string_is_not_a_line_break(tmp_path):
+    """JSON strings may hold U+2028 unescaped; str.splitlines() used to cut the line there."""
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"prompt": "a\u2028b", "label": "c\x1cd"}, ensure_ascii=False) + "\n", encoding="utf-8")
+    rec = load_prompt_data(str(p), "prompt", "label").records[0]
+    assert rec.prompt == "a\u2028b" and rec.label == "c\x1cd"
+
+
+def test_error_lines_stay_one_line(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"prompt\\n": "x"}\n{"prompt": ["bad\\nitem"]}\n')
+    assert "\n" not in load_err(p)  # a key with a newline is shown as its repr
+    p.write_text('{"prompt": ["bad\\nitem"]}\n')
+    assert "\n" not in load_err(p)
 
 
 # ---------------------------------------------------------------- render_prompt

@@ -74,7 +74,7 @@ def test_in_process_transport_sends_every_parameter(tiny_model):
 
 
 def rollout_cfg():
-    return RolloutConfig(batch_size=2, n_samples_per_prompt=3, rm_type="math", custom_rm_path=None,
+    return RolloutConfig(batch_size=2, n_samples_per_prompt=3, rm_type="math", custom_rm_path=None, reward_timeout=60,
                          sampling=SamplingParams(max_new_tokens=5, temperature=1.0, top_p=1.0))
 
 

@@ -92,3 +92,4 @@ class TrainResult:
     metrics: dict[str, float]  # train/..., rollout/log_probs and the trainer/engine gap
     diagnostics: StepDiagnostics
     hashes: dict[str, str] = field(default_factory=dict)  # with --debug-determinism: the training side's digests
+    nonfinite: str | None = None  # what was NaN/Inf when an update was skipped for it, and where

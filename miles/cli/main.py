@@ -7,7 +7,7 @@ import shlex
 import sys
 
 from miles import __version__
-from miles.errors import CheckFailed, UsageError
+from miles.errors import CheckFailed, RunFailed, Stopped, UsageError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -64,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     except CheckFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except RunFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Stopped as e:  # SIGTERM / SIGINT during `miles train`; train.log says what was saved
+        print(f"stopped by {e.signal_name}" + (" (immediately, mid-step)" if e.immediate else ""), file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -67,7 +67,8 @@ def prepare(args: argparse.Namespace):
     resolve_paths(args)
     data = reward_fn = None
     if args.load_debug_rollout_data is None:  # a replay takes prompts and rewards from the dumps
-        data = load_prompt_data(args.prompt_data, args.input_key, args.label_key)
+        data = load_prompt_data(args.prompt_data, args.input_key, args.label_key,
+                                scalar_labels=args.custom_rm_path is None)
         if args.label_key is None and args.custom_rm_path is None:
             raise UsageError(f"--rm-type {args.rm_type} needs labels: pass --label-key (keys in {args.prompt_data}: "
                              f"{', '.join(data.keys)}), or a --custom-rm-path that needs none")
@@ -93,24 +94,89 @@ def run_config(args: argparse.Namespace, path: Path) -> dict:
             "invocations": previous.get("invocations", []) + [invocation]}
 
 
+def check_writable(args: argparse.Namespace) -> None:
+    """The output dir, the save dir and the dump dir, before any model loads (an unwritable --save
+    found at the final save would cost the whole run)."""
+    from miles.bridge.dump_paths import dump_path
+    from miles.utils.io import check_writable_dir
+
+    check_writable_dir(args.output_dir, "--output-dir")
+    if args.save:
+        check_writable_dir(args.save, "--save")
+    if args.save_debug_rollout_data:
+        check_writable_dir(dump_path(args.save_debug_rollout_data, 0).parent, "--save-debug-rollout-data")
+
+
+def claim_run_dirs(args: argparse.Namespace) -> tuple[list, list[str]]:
+    """Locks the output dir (and a --save dir elsewhere): one run per directory. Returns the locks
+    and notes for the log. A dir that already holds a run with checkpoints needs --load; one whose
+    run stopped before its first checkpoint is restarted in place."""
+    from miles.cli.train_args import check_not_a_finished_lineage
+    from miles.utils.run_dirs import holds_rows
+    from miles.utils.run_lock import RunLock
+
+    output = Path(args.output_dir)
+    save = Path(args.save) if args.save else output / "checkpoints"
+    locks, notes = [RunLock(output, flag="--output-dir", command_line=args.command_line)], []
+    if save.parent != output:
+        locks.append(RunLock(save, flag="--save", command_line=args.command_line))
+    try:
+        for lock in locks:
+            if note := lock.acquire():
+                notes.append(f"{lock.path.parent}: {note}")
+        if args.load is None and holds_rows(output):  # again, now that no other run can be writing it
+            check_not_a_finished_lineage(args.output_dir, args.save)
+            notes.append(f"{output} holds a run that stopped before its first checkpoint: restarting it in place")
+    except BaseException:
+        for lock in locks:
+            lock.release()
+        raise
+    return locks, notes
+
+
 def run(args: argparse.Namespace) -> int:
     data, reward_fn = prepare(args)
+    check_writable(args)
+    locks, notes = claim_run_dirs(args)
+    try:
+        return run_locked(args, data, reward_fn, notes)
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def run_locked(args: argparse.Namespace, data, reward_fn, notes: list[str]) -> int:
+    import logging
+    import traceback
+
     from miles.config import build_configs
+    from miles.errors import CheckFailed, RunFailed
     from miles.loop import run_training
     from miles.utils.io import atomic_write_json
     from miles.utils.logging import close_logging, setup_logging
 
     output_dir = Path(args.output_dir)
     setup_logging(output_dir)
-    config = run_config(args, output_dir / "config.json")
-    atomic_write_json(output_dir / "config.json", config)
-    if data is not None and data.missing_labels:
-        import logging
-
-        logging.getLogger("miles").warning("%d of %d rows of %s have no %r label: their reward is 0",
-                                           data.missing_labels, len(data.records), data.path, args.label_key)
+    logger = logging.getLogger("miles")
     try:
+        for note in notes:
+            logger.info(note)
+        config = run_config(args, output_dir / "config.json")
+        atomic_write_json(output_dir / "config.json", config)
+        if data is not None and data.missing_labels:
+            logger.warning("%d of %d rows of %s have no %r label: their reward is 0", data.missing_labels,
+                           len(data.records), data.path, args.label_key)
         run_training(build_configs(args), data=data, reward_fn=reward_fn, config=config)
+    except (UsageError, CheckFailed) as e:  # the `error:` line goes to stderr too (cli/main.py)
+        logger.error("error: %s", e)
+        raise
+    except OSError as e:  # the disk filled, a directory went read-only, ...
+        message = f"{e.strerror or e} writing {e.filename}" if e.filename else f"{e}"
+        logger.error("error: %s", message)
+        raise RunFailed(f"{message}; the last checkpoint on disk is intact, resume from it once this is fixed") from e
+    except Exception as e:
+        logger.error("Crashed: %s: %s\n%s", type(e).__name__, e, traceback.format_exc().rstrip())
+        raise
     finally:
         close_logging()
     return 0

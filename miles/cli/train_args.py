@@ -26,6 +26,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load", metavar="DIR", help="resume from the latest complete checkpoint under DIR (a run dir, its checkpoints/, or one step_N)")
     g.add_argument("--save", metavar="DIR", help="where checkpoints go (default: OUTPUT_DIR/checkpoints)")
     g.add_argument("--save-interval", type=int, metavar="N", help="save every N rollout steps (the last step is always saved)")
+    g.add_argument("--keep-checkpoints", type=int, metavar="N", help="keep only the newest N checkpoints (default: all)")
+    g.add_argument("--allow-branch", action="store_true",
+                   help="--load an older step of a save dir holding newer ones: the newer ones are moved aside")
     g.add_argument("--output-dir", metavar="DIR", help="run directory (default: runs/<timestamp>)")
 
     g = p.add_argument_group("data")
@@ -46,6 +49,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rm-type", default=None, choices=RM_TYPES, help=f"reward function: {', '.join(RM_TYPES)} "
                    "(default: math; see miles/rollout/rewards.py for what each accepts)")
     g.add_argument("--custom-rm-path", metavar="MODULE:FUNCTION", help="custom reward, fn(sample) -> float (async allowed)")
+    g.add_argument("--reward-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="seconds one sample's reward may take; a reward that hangs stops the run with an error "
+                        "naming it (default: 60)")
 
     g = p.add_argument_group("training")
     g.add_argument("--num-rollout", type=int, default=4, help="rollout steps in the whole run, counted from step 1 (default: 4)")
@@ -67,6 +73,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="loss summed over every response token of the global batch and divided by their count "
                         "(DAPO; TRL loss_type=dapo) instead of each sample's mean averaged over samples (TRL grpo)")
+    g.add_argument("--max-nonfinite-steps", type=int, default=3, metavar="N",
+                   help="steps in a row skipped for a NaN/Inf reward, loss or gradient before the run stops with "
+                        "exit 3 (default: 3)")
     g.add_argument("--seed", type=int, default=42)
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="sdpa",
                    help="attention kernels of trainer and engine; flash needs flash-attn (default: sdpa)")
@@ -125,7 +134,7 @@ def validate_train_args(args: argparse.Namespace) -> None:
     _check_debug_flags(args)
     _positive(args, "rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len", "num_rollout",
               "num_steps_per_rollout", "global_batch_size", "micro_batch_size", "save_interval",
-              "rollout_max_prompt_len", "lr", "tis_clip")
+              "rollout_max_prompt_len", "lr", "tis_clip", "keep_checkpoints", "max_nonfinite_steps", "reward_timeout")
     _positive(args, "rollout_temperature", "clip_grad", "eps_clip", "eps_clip_high", "kl_coef",
               "kl_loss_coef", "weight_decay", allow_zero=True)
     if not 0 < args.rollout_top_p <= 1:
@@ -151,9 +160,8 @@ def validate_train_args(args: argparse.Namespace) -> None:
         from datetime import datetime
 
         args.output_dir = os.path.join("runs", datetime.now().strftime("%Y%m%d-%H%M%S"))
-    if Path(args.output_dir, "metrics.jsonl").exists() and args.load is None:
-        raise UsageError(f"--output-dir {args.output_dir} already holds a run; pick a new dir, "
-                         f"or resume it with --load {os.path.join(args.output_dir, 'checkpoints')}")
+    if args.load is None:
+        check_not_a_finished_lineage(args.output_dir, args.save)
     if args.use_tensorboard:
         _require("tensorboard", "--use-tensorboard")
     if args.use_wandb:
@@ -185,6 +193,16 @@ def _check_batch_sizes(args: argparse.Namespace) -> None:
     args.micro_batch_size = min(args.micro_batch_size, gbs)
     if gbs % args.micro_batch_size:
         raise UsageError(f"--micro-batch-size {args.micro_batch_size} must divide {gbs_text}")
+
+
+def check_not_a_finished_lineage(output_dir: str, save: str | None) -> None:
+    """A dir holding a run with checkpoints is resumed with --load, not overwritten. (One whose run
+    stopped before its first checkpoint holds nothing to resume: it is restarted in place.)"""
+    from miles.utils.run_dirs import holds_rows, step_dirs
+
+    if holds_rows(output_dir) and (steps := step_dirs(save or Path(output_dir) / "checkpoints")):
+        raise UsageError(f"--output-dir {output_dir} already holds a run (checkpoints up to step_{max(steps)}); "
+                         f"resume it with --load {output_dir}, or pick a new --output-dir")
 
 
 def _check_debug_flags(args: argparse.Namespace) -> None:

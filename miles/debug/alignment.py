@@ -289,6 +289,6 @@ def run_checks(samples: list[Sample], metrics: dict[str, float], diag, ctx: Chec
         else:
             checks.append(Check("trainer vs engine", SKIP, "the samples carry no engine log-probs"))
         checks.append(check_response_nll(nll, ctx.has_template, ctx.applied_template))
-        checks.append(check_grad_norm(metrics["train/grad_norm"]))
+        checks.append(check_grad_norm(metrics.get("train/grad_norm", float("nan"))))
     checks.append(check_reward_signal(reward_stats(samples, ctx.rm_type, ctx.label_key)))
     return checks

@@ -7,7 +7,6 @@ log-probs, the rewards, the trainer's log-probs, the loss, the gradients, or the
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import struct
@@ -18,6 +17,7 @@ import torch
 from miles.bridge.types import Sample
 from miles.debug.diff_runs import COMPONENTS  # data-flow order: the first to differ is where runs part
 from miles.utils.digest import bytes_digest16
+from miles.utils.jsonl import JsonlAppender
 
 logger = logging.getLogger("miles")
 
@@ -65,10 +65,12 @@ class HashWriter:
     """Appends one line per step to OUTPUT_DIR/hashes.jsonl and a short line to train.log."""
 
     def __init__(self, output_dir: Path):
-        self.path = output_dir / "hashes.jsonl"
+        self._file = JsonlAppender(output_dir / "hashes.jsonl")
 
     def write(self, step: int, hashes: dict[str, str]) -> None:
         row = {"step": step, **{k: hashes[k] for k in COMPONENTS if k in hashes}}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        self._file.write(row)
         logger.info("determinism step=%d %s", step, " ".join(f"{k}={v[:8]}" for k, v in row.items() if k != "step"))
+
+    def close(self) -> None:
+        self._file.close()

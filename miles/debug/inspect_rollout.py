@@ -3,6 +3,11 @@
     miles inspect-rollout dumps/data_0.pt             # table of samples + summary
     miles inspect-rollout dumps/data_0.pt --sample 3  # one sample: prompt, response, per-token log-probs
     miles inspect-rollout dumps/data_0.pt --json      # the same, for machines
+
+A debugging tool shows what is there: a dump whose fields have the right types is shown even when
+their values would make a replay refuse it (log-probs of the wrong length or missing on some
+samples, a NaN reward, broken groups); each such problem is one `warning:` line on stderr (and the
+`problems` list of --json). A field of the wrong type is an `error:` line, as for a replay.
 """
 
 from __future__ import annotations
@@ -12,10 +17,15 @@ import json
 import math
 import re
 import statistics
+import sys
 from pathlib import Path
 
 from miles.bridge.types import mean_rollout_log_prob
 from miles.errors import UsageError
+
+# A dump broken throughout (every sample's log-probs cut short) should not bury the table under
+# thousands of identical lines: a screenful of warnings, then a count.
+MAX_WARNINGS = 20
 
 
 def register(commands) -> None:
@@ -32,13 +42,15 @@ def register(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     if Path(args.path).is_dir():  # before the dump reader (and torch) is imported
         raise UsageError(directory_error(Path(args.path)))
-    from miles.bridge.rollout_dump import read_dump, samples_from_dump
+    from miles.bridge.rollout_dump import plain, read_dump, samples_from_dump, samples_per_prompt, validate_samples
 
     path = Path(args.path)
     payload = read_dump(path, source="inspect-rollout")
     metadata = payload.get("metadata") or {}
-    n_per_prompt = int(metadata.get("n_samples_per_prompt") or 1)
+    n_per_prompt = samples_per_prompt(payload, path)
     samples = samples_from_dump(payload, path, n_per_prompt)
+    problems = validate_samples(samples, path, n_per_prompt)
+    warn(problems)
     if args.sample is not None:
         if not 0 <= args.sample < len(samples):
             raise UsageError(f"--sample {args.sample}: {path} has samples 0..{len(samples) - 1}")
@@ -46,12 +58,20 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(samples, n_per_prompt)
     if args.json:
         rows = [sample_row(s) for s in samples]
-        print(json.dumps({"path": str(path), "format": payload.get("format", "slime"),
-                          "rollout_id": payload.get("rollout_id"), "metadata": metadata, "summary": summary,
-                          "samples": rows}, indent=2, default=str))
+        print(json.dumps(plain({"path": str(path), "format": payload.get("format", "slime"),
+                                "rollout_id": payload.get("rollout_id"), "metadata": metadata, "summary": summary,
+                                "problems": problems, "samples": rows}), indent=2, default=str))
         return 0
     print_table(path, payload, metadata, samples, summary)
     return 0
+
+
+def warn(problems: list[str]) -> None:
+    """One `warning:` line per problem, the first MAX_WARNINGS of them."""
+    for p in problems[:MAX_WARNINGS]:
+        print(f"warning: {p}", file=sys.stderr)
+    if len(problems) > MAX_WARNINGS:
+        print(f"warning: ... and {len(problems) - MAX_WARNINGS} more problems (--json lists them all)", file=sys.stderr)
 
 
 def directory_error(path: Path) -> str:
@@ -86,8 +106,8 @@ def summarize(samples, n_per_prompt: int) -> dict:
     return {
         "samples": len(samples),
         "groups": len(groups),
-        "reward_mean": statistics.fmean(rewards),
-        "reward_std": statistics.pstdev(rewards),
+        "reward_mean": _mean(rewards),
+        "reward_std": _std(rewards),
         "reward_min": min(rewards),
         "reward_max": max(rewards),
         # A group whose rewards are all equal gives GRPO zero advantage: no learning signal.
@@ -105,20 +125,21 @@ def summarize(samples, n_per_prompt: int) -> dict:
 def print_table(path, payload, metadata, samples, summary) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text  # the dump's text as it is: "[/INST]" in a response is not rich markup
 
     console = Console()
     if not console.is_terminal:  # piped into a file or a pager: don't squeeze the table into 80 columns
         console.width = 160
     title = f"{path}  rollout {payload.get('rollout_id')}  ({payload.get('format', 'slime/Miles format')})"
-    table = Table(title=title, title_justify="left")
+    table = Table(title=Text(title), title_justify="left")
     for col in ("idx", "group", "reward", "prompt", "resp", "status", "logp mean", "logp min", "response"):
         table.add_column(col, justify="right" if col not in ("status", "response") else "left",
                          overflow="ellipsis", no_wrap=True, max_width=60 if col == "response" else None)
     for s in samples:
         r = sample_row(s)
         table.add_row(str(r["index"]), str(r["group"]), f"{r['reward']:.3f}", str(r["prompt_len"]),
-                      str(r["response_len"]), r["status"], _fmt(r["logp_mean"]), _fmt(r["logp_min"]),
-                      " ".join(s.response.split()))
+                      str(r["response_len"]), Text(_safe(r["status"])), _fmt(r["logp_mean"]), _fmt(r["logp_min"]),
+                      Text(_safe(" ".join(s.response.split()))))
     console.print(table)
     sm = summary
     console.print(
@@ -126,31 +147,36 @@ def print_table(path, payload, metadata, samples, summary) -> None:
         f"std {sm['reward_std']:.3f} [{sm['reward_min']:.3f}, {sm['reward_max']:.3f}] | groups with mixed rewards "
         f"{sm['groups_with_signal']}/{sm['groups']}\nresponse length mean {sm['response_len_mean']:.1f} "
         f"[{sm['response_len_min']}, {sm['response_len_max']}] | status "
-        + ", ".join(f"{k} {v}" for k, v in sorted(sm["status"].items()))
+        + ", ".join(f"{_safe(k)} {v}" for k, v in sorted(sm["status"].items()))
         + f" | engine logp/token mean {_fmt(sm['logp_mean'])} min {_fmt(sm['logp_min'])}",
-        highlight=False, soft_wrap=True)
+        markup=False, highlight=False, soft_wrap=True)
     if metadata:
-        console.print("metadata: " + ", ".join(f"{k}={v}" for k, v in metadata.items()), highlight=False,
-                      soft_wrap=True)
+        console.print(_safe("metadata: " + ", ".join(f"{k}={v}" for k, v in metadata.items())), markup=False,
+                      highlight=False, soft_wrap=True)
 
 
 def show_sample(s, metadata: dict, args: argparse.Namespace) -> int:
-    pieces = _decode_pieces(s.response_tokens, args.tokenizer or metadata.get("hf_checkpoint"))
+    from miles.bridge.rollout_dump import plain
+
+    captured_with = metadata.get("hf_checkpoint")
+    pieces = _decode_pieces(s.response_tokens, args.tokenizer or (captured_with if isinstance(captured_with, str)
+                                                                   else None))
     tokens = [{"id": t, "text": p, "logp": lp, "loss_mask": m}
               for t, p, lp, m in zip(s.response_tokens, pieces, _pad(s.rollout_log_probs, s.response_length),
                                      s.loss_mask)]
     if args.json:
-        print(json.dumps({**s.to_dict(), "response_tokens": tokens}, indent=2, default=str))
+        print(json.dumps(plain({**s.to_dict(), "response_tokens": tokens}), indent=2, default=str))
         return 0
     from miles.debug.print_rollout import prompt_text
 
-    print(f"sample {s.index} (group {s.group_index}) | reward {s.reward} | label {s.label!r} | status {s.status}")
-    print(f"prompt ({s.prompt_length} tokens): {prompt_text(s.prompt)}")
-    print(f"response ({s.response_length} tokens): {s.response}")
+    print(f"sample {s.index} (group {s.group_index}) | reward {s.reward} | label {s.label!r} | "
+          f"status {_safe(s.status)}")
+    print(f"prompt ({s.prompt_length} tokens): {_safe(str(prompt_text(s.prompt)))}")
+    print(f"response ({s.response_length} tokens): {_safe(s.response)}")
     print(f"{'pos':>4} {'token':>7} {'logp':>9} {'p':>6} mask  text")
     for i, t in enumerate(tokens):
         lp = t["logp"]
-        print(f"{i:>4} {t['id']:>7} {_fmt(lp):>9} {(f'{math.exp(lp):.3f}' if lp is not None else 'n/a'):>6} "
+        print(f"{i:>4} {t['id']:>7} {_fmt(lp):>9} {_prob(lp):>6} "
               f"{t['loss_mask']:>4}  {t['text']!r}")
     return 0
 
@@ -160,12 +186,34 @@ def _decode_pieces(token_ids: list[int], tokenizer_dir: str | None) -> list[str 
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-        return [tok.decode([t]) for t in token_ids]
+        return [tok.decode([t]) if t < len(tok) else None for t in token_ids]  # a dump of another model
     return [None] * len(token_ids)
 
 
 def _pad(values: list[float], n: int) -> list[float | None]:
     return list(values) + [None] * (n - len(values))
+
+
+def _safe(text: str) -> str:
+    """`text` as stdout can take it: a lone surrogate (not valid Unicode) shown as its escape, \\udXXX."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _prob(log_prob: float | None) -> str:
+    if log_prob is None:
+        return "n/a"
+    return "inf" if log_prob > 700 else f"{math.exp(log_prob):.3f}"  # exp overflows past ~709 (bad log-probs)
+
+
+def _mean(values: list[float]) -> float:
+    """statistics.fmean, but inf/NaN/huge values (a broken dump) give inf/NaN instead of raising."""
+    return sum(values) / len(values)
+
+
+def _std(values: list[float]) -> float:
+    if not all(math.isfinite(v) for v in values):
+        return math.nan
+    return statistics.pstdev(values)
 
 
 def _fmt(value: float | None) -> str:

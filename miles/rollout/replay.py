@@ -1,7 +1,9 @@
 """`ReplaySource`: a `RolloutSource` that reads rollout i from its dump (`--load-debug-rollout-data`).
 
 It stands in for the whole rollout side, so a replayed run trains on exactly the captured inputs
-with no engine built.
+with no engine built. Each dump is checked in full before it is trained on
+(`miles.bridge.rollout_dump.check_fits`): a dump that does not fit the flags or the model, or has
+any bad field, is a UsageError naming the file, the sample and the field.
 """
 
 from __future__ import annotations
@@ -38,5 +40,5 @@ class ReplaySource:
         path = dump_path(self.template, rollout_id)
         samples = samples_from_dump(read_dump(path), path, self.n_samples_per_prompt)
         check_fits(samples, path, vocab_size=self.vocab_size, expected=self.expected,
-                   needs_log_probs=self.needs_log_probs)
+                   n_samples_per_prompt=self.n_samples_per_prompt, needs_log_probs=self.needs_log_probs)
         return RolloutBatch(samples, {"perf/rollout_load_s": time.perf_counter() - start})

@@ -92,10 +92,22 @@ def tokenize_prompt(prompt, tokenizer, apply_chat_template: bool) -> list[int]:
 
 
 def drop_long_prompts(records: list[PromptRecord], tokenizer, *, apply_chat_template: bool,
-                      max_prompt_len: int | None) -> list[PromptRecord]:
-    """Applies --rollout-max-prompt-len. Also renders every prompt once, so a prompt the chat
-    template cannot take fails now, before any model is loaded."""
+                      max_prompt_len: int | None, max_positions: int) -> list[PromptRecord]:
+    """Applies --rollout-max-prompt-len, and refuses a prompt that would not fit the model:
+    `max_positions` is the model's positions minus --rollout-max-response-len. Also renders every
+    prompt once, so a prompt the chat template cannot take fails now, before any model is loaded."""
+    if max_positions <= 0:
+        raise UsageError(f"--rollout-max-response-len leaves no room for a prompt in the model's positions "
+                         f"({max_positions} left); lower it")
     lengths = [len(tokenize_prompt(r.prompt, tokenizer, apply_chat_template)) for r in records]
+    limit = max_prompt_len if max_prompt_len is not None else float("inf")
+    unfit = [(i, n) for i, n in enumerate(lengths) if max_positions < n <= limit]
+    if unfit:
+        i, n = max(unfit, key=lambda item: item[1])
+        raise UsageError(f"--prompt-data row {i + 1}: its prompt is {n} tokens, but with --rollout-max-response-len the "
+                         f"model has room for {max_positions} ({len(unfit)} such prompt(s)); pass "
+                         f"--rollout-max-prompt-len {max_positions} (or less) to drop them, or lower "
+                         f"--rollout-max-response-len")
     if max_prompt_len is None:
         return records
     kept = [r for r, n in zip(records, lengths) if n <= max_prompt_len]

@@ -7,6 +7,12 @@ over `global_batch_size` samples in micro-batches of `micro_batch_size` with acc
 The trainer owns its model and optimizer: the loop asks it to `train`, `save`, `send_weights`
 and report digests, and never touches the model itself. A `parallelize(model)` hook is applied
 before the optimizer is built (where sharding goes; single-process runs pass none).
+
+Non-finite guard: no NaN/Inf reaches the weights. A rollout with a non-finite reward or trainer
+log-prob takes no optimizer step; an optimizer step whose loss or gradient is non-finite is not
+taken (nor are the rollout's later ones), so parameters and optimizer state stay as they were.
+The result names what was non-finite and where (`TrainResult.nonfinite`); the loop counts such
+steps (`--max-nonfinite-steps`).
 """
 
 from __future__ import annotations
@@ -68,14 +74,23 @@ class Trainer:
         ref_log_probs = self._score(self.ref_model, batch) if self.ref_model is not None else None
         kl = KL_ESTIMATORS[self.cfg.kl_loss_type](old_log_probs, ref_log_probs) if ref_log_probs is not None else None
         metrics = score_metrics(batch, old_log_probs, ref_log_probs, kl)
+        diagnostics = StepDiagnostics(old_log_probs, ref_log_probs,
+                                      batch.rollout_log_probs if batch.has_rollout_log_probs else None,
+                                      batch.mask, 0.0)
+        if nonfinite := nonfinite_inputs(batch, old_log_probs, ref_log_probs):
+            metrics["train/skipped_nonfinite"] = 1.0
+            return TrainResult(metrics, diagnostics, nonfinite=nonfinite)
         advantages = ADVANTAGE_ESTIMATORS[self.cfg.advantage_estimator](
             batch.rewards, kl, batch.mask, group_size=self.group_size, kl_coef=self.cfg.kl_coef)
         metrics["rollout/advantages"] = masked_mean(advantages, batch.mask).item()
 
-        step_metrics, grad_digests, recompute_gap = self._optimize(batch, advantages, old_log_probs, ref_log_probs)
+        step_metrics, grad_digests, recompute_gap, nonfinite = self._optimize(batch, advantages, old_log_probs,
+                                                                              ref_log_probs)
         for key in step_metrics[0]:
             metrics[key] = sum(m[key] for m in step_metrics) / len(step_metrics)
-        metrics["train/recompute_logp_max_diff"] = recompute_gap
+        metrics["train/recompute_logp_max_diff"] = diagnostics.recompute_max_diff = recompute_gap
+        if nonfinite:
+            metrics["train/skipped_nonfinite"] = 1.0
         hashes = {}
         if self.record_hashes:
             losses = [m["train/loss"] for m in step_metrics]
@@ -83,17 +98,14 @@ class Trainer:
                       "loss": bytes_digest16(struct.pack(f"<{len(losses)}d", *losses)),
                       "gradients": bytes_digest16(*(d.encode() for d in grad_digests)),
                       "parameters": named_tensors_digest16(self.model.named_parameters())}
-        diagnostics = StepDiagnostics(old_log_probs, ref_log_probs,
-                                      batch.rollout_log_probs if batch.has_rollout_log_probs else None,
-                                      batch.mask, recompute_gap)
-        return TrainResult(metrics, diagnostics, hashes)
+        return TrainResult(metrics, diagnostics, hashes, nonfinite)
 
     def _optimize(self, batch: TrainBatch, advantages, old_log_probs, ref_log_probs):
         """The optimizer steps, each over a global batch accumulated from micro-batches.
 
-        Returns each step's metrics, each step's gradient digest (with --debug-determinism), and
-        the largest gap between the first step's training forward and the scoring forward, which
-        must be 0 before any update has been made.
+        Returns each step's metrics, each step's gradient digest (with --debug-determinism), the
+        largest gap between the first step's training forward and the scoring forward (0 before any
+        update has been made), and what was non-finite when a step was not taken (None if none).
         """
         cfg = self.cfg
         step_metrics, grad_digests, recompute_gap = [], [], 0.0
@@ -104,6 +116,7 @@ class Trainer:
                 tokens = int(batch.mask[rows].sum()) if cfg.calculate_per_token_loss else None
                 self.optimizer.zero_grad(set_to_none=True)
                 sums: dict[str, float] = {}
+                bad_micro_batch = None
                 for start in range(step * gbs, (step + 1) * gbs, mbs):
                     mb = slice(start, start + mbs)
                     out = self._micro_step(batch.rows(start, start + mbs), advantages[mb], old_log_probs[mb],
@@ -113,14 +126,26 @@ class Trainer:
                         recompute_gap = max(recompute_gap, gap)
                     for key, value in out.items():
                         sums[key] = sums.get(key, 0.0) + value
+                    if bad_micro_batch is None and not math.isfinite(out["train/loss"]):
+                        bad_micro_batch = f"micro-batch {(start - step * gbs) // mbs} (samples {start}..{start + mbs - 1})"
                     bar.advance()
                 if self.record_hashes:
                     grad_digests.append(named_tensors_digest16((n, p.grad) for n, p in self.model.named_parameters()))
                 max_norm = cfg.clip_grad if cfg.clip_grad > 0 else math.inf
                 sums["train/grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
-                self.optimizer.step()
                 step_metrics.append(sums)
-        return step_metrics, grad_digests, recompute_gap
+                if bad_micro_batch or not math.isfinite(sums["train/grad_norm"]):
+                    where = f"loss of {bad_micro_batch}" if bad_micro_batch else f"gradient of {self._nonfinite_grad()}"
+                    self.optimizer.zero_grad(set_to_none=True)
+                    return step_metrics, grad_digests, recompute_gap, (
+                        f"{where}, optimizer step {step + 1} of {cfg.num_steps_per_rollout}"
+                        + (f" (steps 1..{step} of this rollout were taken)" if step else ""))
+                self.optimizer.step()
+        return step_metrics, grad_digests, recompute_gap, None
+
+    def _nonfinite_grad(self) -> str:
+        return next((name for name, p in self.model.named_parameters()
+                     if p.grad is not None and not bool(torch.isfinite(p.grad).all())), "an unnamed tensor")
 
     def _micro_step(self, mb: TrainBatch, advantages, old_log_probs, ref_log_probs,
                     tokens_in_batch: int | None) -> dict[str, float]:
@@ -178,16 +203,42 @@ class Trainer:
         optimizer state plus `extra_state`)."""
         return save_checkpoint(root, step, self.model, tokenizer, {**self.state_dict(), **extra_state})
 
+    def save_fn(self, tokenizer):
+        """`save` with the tokenizer bound: what a Checkpointer calls."""
+        return lambda root, step, extra_state: self.save(root, step, tokenizer, extra_state)
+
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """The optimizer state of a checkpoint, under this run's --lr and --weight-decay (the saved
+        param groups carry the old run's; a resume with new ones must train with the new ones)."""
         self.optimizer.load_state_dict(state["optimizer"])
+        for group in self.optimizer.param_groups:
+            group["lr"], group["weight_decay"] = self.cfg.lr, self.cfg.weight_decay
 
     def memory_bytes(self) -> dict[str, int]:
         models = {"policy": self.model, "reference": self.ref_model}
         return {name: sum(p.numel() * p.element_size() for p in m.parameters())
                 for name, m in models.items() if m is not None}
+
+
+def nonfinite_inputs(batch: TrainBatch, old_log_probs, ref_log_probs) -> str | None:
+    """What of a rollout's inputs to the loss is NaN/Inf, naming the samples; None if all is finite."""
+    def samples(bad: torch.Tensor) -> str:
+        rows = bad.nonzero().flatten().tolist()
+        return ", ".join(map(str, rows[:8])) + (f" (+{len(rows) - 8} more)" if len(rows) > 8 else "")
+
+    rewards = batch.rewards
+    if not bool(torch.isfinite(rewards).all()):
+        bad = ~torch.isfinite(rewards)
+        return f"reward of sample(s) {samples(bad)} ({rewards[bad][0].item()})"
+    for name, log_probs in (("trainer log-prob", old_log_probs), ("reference log-prob", ref_log_probs)):
+        if log_probs is not None:
+            bad = (~torch.isfinite(log_probs) & (batch.mask > 0)).any(-1)
+            if bool(bad.any()):
+                return f"{name}s of sample(s) {samples(bad)} (a NaN/Inf weight, or an overflow in low precision)"
+    return None
 
 
 def score_metrics(batch: TrainBatch, old_log_probs, ref_log_probs, kl) -> dict[str, float]:

@@ -51,3 +51,19 @@ def readable_mode(directory: bool = False) -> int:
     umask = os.umask(0)
     os.umask(umask)
     return (0o777 if directory else 0o666) & ~umask
+
+
+def check_writable_dir(path: str | Path, flag: str) -> None:
+    """A UsageError naming `flag` unless `path` is a directory this process can write, or could be
+    created in one; nothing is created."""
+    from miles.errors import UsageError
+
+    path = Path(path).absolute()
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UsageError(f"{flag} {path}: {probe} is a file, not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        what = "is not writable" if probe == path else f"cannot be created: {probe} is not writable"
+        raise UsageError(f"{flag} {path} {what} by this user; pick a writable directory")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import sys
 from pathlib import Path
+
+from miles.utils.jsonl import JsonlAppender
 
 logger = logging.getLogger("miles")
 
@@ -18,9 +19,18 @@ def setup_logging(output_dir: Path) -> None:
     logger.handlers.clear()
     logger.setLevel(logging.INFO)
     logger.propagate = False
-    for handler in (logging.FileHandler(output_dir / "train.log"), _StdoutHandler()):
+    for handler in (_LogFileHandler(output_dir / "train.log"), _StdoutHandler()):
         handler.setFormatter(fmt)
         logger.addHandler(handler)
+
+
+class _LogFileHandler(logging.FileHandler):
+    """train.log; a line that cannot be written (the disk is full) is dropped without a traceback:
+    the error that stops the run reaches stderr anyway."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handleError(record)
 
 
 class _StdoutHandler(logging.StreamHandler):
@@ -52,7 +62,7 @@ class MetricsWriter:
 
     def __init__(self, output_dir: Path, *, tensorboard: bool, wandb_project: str | None,
                  wandb_group: str | None, config: dict):
-        self._file = open(output_dir / "metrics.jsonl", "a")
+        self._file = JsonlAppender(output_dir / "metrics.jsonl")
         self._tb = None
         self._wandb = None
         if tensorboard:
@@ -64,8 +74,7 @@ class MetricsWriter:
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, **{k: _json_number(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        self._file.write(row)
         if self._tb is not None:
             for key, value in metrics.items():
                 self._tb.add_scalar(key, value, step)
