@@ -129,10 +129,34 @@ class DebugConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Where rollouts are generated: in process, or on inference servers (given or started by miles)."""
+
+    backend: str
+    """local | sglang (SGLang's native API: SGLang, or `miles serve`) | vllm (vLLM's OpenAI server)."""
+    urls: tuple[str, ...]
+    """--sglang-url / --vllm-url; empty: miles starts `num_engines` servers itself."""
+    num_engines: int
+    vllm_python: str | None
+    """The Python of a vLLM install (its own venv), for servers miles starts."""
+    log_dir: str
+    """Logs of the servers miles starts."""
+    concurrency: int
+    """Requests in flight per server."""
+    request_timeout: float
+    """Seconds one request may take before it is retried."""
+    retries: int
+    """Attempts per request on a connection error, timeout or 5xx (4xx are never retried)."""
+    start_timeout: float
+    """Seconds a server miles starts may take to become healthy."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Configs:
     model: ModelConfig
     data: DataConfig
     rollout: RolloutConfig
+    engines: EngineConfig
     train: TrainConfig
     run: RunConfig
     debug: DebugConfig
@@ -151,6 +175,11 @@ def build_configs(args: argparse.Namespace) -> Configs:
             sampling=SamplingParams(max_new_tokens=a.rollout_max_response_len, temperature=a.rollout_temperature,
                                     top_p=a.rollout_top_p),
             rm_type=a.rm_type, custom_rm_path=a.custom_rm_path, reward_timeout=a.reward_timeout),
+        engines=EngineConfig(
+            backend=a.rollout_backend, urls=tuple(a.sglang_url or a.vllm_url or ()), num_engines=a.rollout_num_engines,
+            vllm_python=a.vllm_python, log_dir=a.sglang_log_dir, concurrency=a.sglang_server_concurrency,
+            request_timeout=a.rollout_request_timeout, retries=a.rollout_request_retries,
+            start_timeout=a.engine_start_timeout),
         train=TrainConfig(
             num_steps_per_rollout=a.num_steps_per_rollout, global_batch_size=a.global_batch_size,
             micro_batch_size=a.micro_batch_size, lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad,

@@ -8,6 +8,7 @@ them into optimizer steps; a `WeightTransport` carries the weights back to the e
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import random
@@ -20,8 +21,9 @@ import torch
 
 from miles import __version__
 from miles.bridge.rollout_dump import save_rollout
-from miles.bridge.transports import InProcessTransport, WeightTransport
+from miles.bridge.transports import DiskTransport, InProcessTransport, WeightTransport
 from miles.bridge.types import RolloutBatch, Sample, TrainResult, mean_rollout_log_prob
+from miles.bridge.weight_probe import compare_probe, probe_tokens
 from miles.bridge.weight_sync import SyncStats, log_sync, verify_digests
 from miles.config import Configs
 from miles.data.prompts import PromptData, PromptDataset
@@ -29,6 +31,7 @@ from miles.debug.alignment import CheckContext, report, run_checks
 from miles.debug.determinism import HashWriter, enable_deterministic_mode, rollout_hashes
 from miles.debug.print_rollout import log_rollout_samples
 from miles.errors import CheckFailed, Stopped, UsageError
+from miles.rollout.engine import Engine
 from miles.rollout.local import LocalEngine
 from miles.rollout.local.true_on_policy import TrainerComputationVerifier
 from miles.rollout.replay import ReplaySource
@@ -43,7 +46,8 @@ from miles.utils.jsonl import reconcile
 from miles.utils.logging import MetricsWriter
 from miles.utils.rng import rng_state, set_rng_state
 from miles.utils.stopping import StopSignals
-from miles.utils.models import eos_token_ids, load_causal_lm, load_tokenizer, quiet_transformers, resolve_checkpoint
+from miles.utils.models import (eos_token_ids, eos_token_ids_of_dir, load_causal_lm, load_tokenizer, quiet_transformers,
+                                resolve_checkpoint)
 
 logger = logging.getLogger("miles")
 
@@ -52,7 +56,7 @@ logger = logging.getLogger("miles")
 class Components:
     tokenizer: object
     source: RolloutSource  # where each rollout's samples come from
-    engine: LocalEngine | None  # None with --debug-train-only
+    engine: Engine | None  # LocalEngine or RemoteEngine; None with --debug-train-only
     trainer: Trainer | None  # None with --debug-rollout-only
     transport: WeightTransport | None  # trainer -> engine; None when either side is absent
     checkpoints: Checkpointer | None  # when to save; None without a trainer
@@ -72,10 +76,10 @@ def run_training(cfg: Configs, data: PromptData | None, reward_fn: RewardFn | No
                 cfg.model.precision, output_dir)
     if debug.deterministic_mode:
         enable_deterministic_mode(run.seed, cfg.model.device, cfg.model.attention_backend)
-    signals, c, outputs = StopSignals(), None, []
+    signals, c, outputs, closers = StopSignals(), None, [], contextlib.ExitStack()
     signals.install()  # from here on SIGTERM / SIGINT are logged, and the last finished step saved
     try:
-        c = build_components(cfg, data, reward_fn, config)
+        c = build_components(cfg, data, reward_fn, config, closers)
         for name in ("metrics.jsonl", "hashes.jsonl"):  # each step exactly once, also after a crash
             if note := reconcile(output_dir / name, c.start_step):
                 logger.warning(note)
@@ -92,6 +96,7 @@ def run_training(cfg: Configs, data: PromptData | None, reward_fn: RewardFn | No
         signals.restore()
         for writer in outputs:
             writer.close()
+        closers.close()  # the servers this run started
     logger.info("Done: %d steps; metrics in %s", run.num_rollout - c.start_step, output_dir / "metrics.jsonl")
 
 
@@ -190,11 +195,16 @@ def sync_weights(c: Components, cfg: Configs, step: int) -> SyncStats:
     --debug-weight-sync) and, always, the engine's buffers."""
     debug = cfg.debug
     stats = c.trainer.send_weights(c.transport, step)
+    stats.engines = len(getattr(c.engine, "servers", [c.engine]))
     if debug.check_weight_update_equal or debug.debug_weight_sync:
-        engine_sums = c.engine.weights_checksum()
-        expected = c.trainer.weight_digests({name: s.dtype for name, s in engine_sums.items()})
+        engine_sums = c.engine.weights_checksum()  # None: the engine's digests are not comparable
+        expected = c.trainer.weight_digests({name: s.dtype for name, s in (engine_sums or {}).items()})
         verify_digests(stats, expected, engine_sums if debug.check_weight_update_equal else None,
                        debug.debug_weight_sync)
+        if engine_sums is None and debug.check_weight_update_equal:
+            tokens = probe_tokens(c.tokenizer)
+            compare_probe(stats, c.trainer.prompt_log_probs(tokens), c.engine.prompt_log_probs(tokens),
+                          cfg.model.precision)
     stats.buffer_problems = c.engine.check_buffers()
     log_sync(stats)
     return stats
@@ -204,7 +214,8 @@ def save_root(cfg: Configs) -> Path:
     return Path(cfg.run.save) if cfg.run.save else Path(cfg.run.output_dir) / "checkpoints"
 
 
-def build_components(cfg: Configs, data: PromptData | None, reward_fn: RewardFn | None, config: dict) -> Components:
+def build_components(cfg: Configs, data: PromptData | None, reward_fn: RewardFn | None, config: dict,
+                     closers: contextlib.ExitStack) -> Components:
     model_cfg, run, debug = cfg.model, cfg.run, cfg.debug
     base = resolve_checkpoint(model_cfg.hf_checkpoint)
     tokenizer = load_tokenizer(base)
@@ -227,7 +238,7 @@ def build_components(cfg: Configs, data: PromptData | None, reward_fn: RewardFn 
         dataset = PromptDataset(records, shuffle=cfg.data.shuffle, seed=run.seed)
         if state is not None and "sha256" in state.get("data", {}):
             dataset.check_fingerprint(state["data"])
-        engine = build_engine(resume or base, tokenizer, cfg, weight_version=start_step)
+        engine = build_engine(resume or base, tokenizer, cfg, weight_version=start_step, closers=closers)
         name = f"--custom-rm-path {cfg.rollout.custom_rm_path}" if cfg.rollout.custom_rm_path else \
             f"--rm-type {cfg.rollout.rm_type}"
         source = LiveRollout(cfg.rollout, engine, tokenizer, dataset,
@@ -258,7 +269,10 @@ def build_components(cfg: Configs, data: PromptData | None, reward_fn: RewardFn 
         if "rng" in state:  # last: loading models must not move the streams
             set_rng_state(state["rng"])
         logger.info("Resuming after step %d from %s", start_step, resume)
-    transport = InProcessTransport(engine) if engine is not None and trainer is not None else None
+    transport = None
+    if engine is not None and trainer is not None:
+        transport = InProcessTransport(engine) if isinstance(engine, LocalEngine) else \
+            DiskTransport(engine, Path(run.output_dir) / "engine_weights", untie=engine.untie)
     rm_type = None if cfg.rollout.custom_rm_path else cfg.rollout.rm_type  # a custom reward's format is unknown
     context = CheckContext(vocab_size=_vocab_size(base, tokenizer), precision=model_cfg.precision,
                            has_template=bool(tokenizer.chat_template), applied_template=cfg.data.apply_chat_template,
@@ -311,10 +325,18 @@ def build_trainer(cfg: Configs, weights: Path, base: Path, tokenizer) -> Trainer
                    precision=cfg.model.precision, record_hashes=cfg.debug.debug_determinism)
 
 
-def build_engine(path, tokenizer, cfg: Configs, *, weight_version: int) -> LocalEngine:
-    """The rollout engine: bf16 weights in bf16 runs; in true on-policy mode the trainer's own
-    numerics instead (fp32 weights under the trainer's autocast) and a check of every rollout."""
+def build_engine(path, tokenizer, cfg: Configs, *, weight_version: int, closers: contextlib.ExitStack) -> Engine:
+    """The rollout engine. Local: bf16 weights in bf16 runs; in true on-policy mode the trainer's
+    own numerics instead (fp32 weights under the trainer's autocast) and a check of every rollout.
+    Remote: the servers of --sglang-url / --vllm-url, or ones started on `path`; no model loaded here."""
     model_cfg = cfg.model
+    if cfg.engines.backend != "local":
+        from miles.rollout.remote import connect  # httpx and the launcher only for remote runs
+
+        return connect(cfg.engines, model_dir=str(path), closers=closers, precision=model_cfg.precision,
+                       seed=cfg.run.seed, max_model_len=_max_model_len(path, cfg), vocab_size=_vocab_size(path, tokenizer),
+                       eos_token_ids=eos_token_ids_of_dir(path, tokenizer), weight_version=weight_version,
+                       work_dir=Path(cfg.run.output_dir) / "engine_weights")
     load = dict(device=model_cfg.device, attention_backend=model_cfg.attention_backend)
     common = dict(pad_token_id=tokenizer.pad_token_id, weight_version=weight_version)
     if not cfg.debug.true_on_policy_mode:
@@ -332,6 +354,11 @@ def build_engine(path, tokenizer, cfg: Configs, *, weight_version: int) -> Local
                        verifier=TrainerComputationVerifier(score), **common)
 
 
+def _max_model_len(path, cfg: Configs) -> int:
+    """What servers miles starts are sized for: the model's positions, capped at 4096 on a CPU."""
+    return min(_max_positions(path), 4096 if cfg.model.device == "cpu" else 1 << 30)
+
+
 def _max_positions(base: Path) -> int:
     from transformers import AutoConfig
 
@@ -344,9 +371,13 @@ def _vocab_size(base: Path, tokenizer) -> int:
     return max(AutoConfig.from_pretrained(base).vocab_size, len(tokenizer))
 
 
-def _model_memory(engine: LocalEngine | None, trainer: Trainer | None) -> str:
-    sizes = {**({"engine": engine.memory_bytes()} if engine else {}), **(trainer.memory_bytes() if trainer else {})}
-    return ", ".join(f"{name} {n / 2**20:.1f} MiB" for name, n in sizes.items())
+def _model_memory(engine: Engine | None, trainer: Trainer | None) -> str:
+    sizes = {**({"engine": engine.memory_bytes()} if isinstance(engine, LocalEngine) else {}),
+             **(trainer.memory_bytes() if trainer else {})}
+    parts = [f"{name} {n / 2**20:.1f} MiB" for name, n in sizes.items()]
+    if engine is not None and not isinstance(engine, LocalEngine):
+        parts.append(f"engine in {len(engine.servers)} server process(es)")
+    return ", ".join(parts) or "none"
 
 
 def dump_metadata(cfg: Configs) -> dict:

@@ -202,7 +202,7 @@ def test_sharded_equals_unsharded(tiny_model, tmp_path, capsys):
 @pytest.mark.parametrize("a, fragments", [
     ("{tmp}/nope", ["A: ", "nope", "no such file"]),
     ("{tmp}", ["A: ", "no *.safetensors"]),
-    ("http://localhost:30000", ["A: ", "not supported yet"]),
+    ("http://localhost:30000", ["A: ", "put the engine URL second"]),
 ])
 def test_bad_argument_is_one_error_line(tiny_model, tmp_path, capsys, a, fragments):
     rc = main(["check-weights", a.format(tmp=tmp_path), str(tiny_model)])

@@ -2,6 +2,7 @@
 dump checked on replay; data rows' own types (timestamps, decimals, numpy) written as plain values."""
 
 import base64
+import contextlib
 import datetime
 import decimal
 import enum
@@ -39,7 +40,7 @@ def test_rollout_only_builds_no_trainer(tiny_args, tmp_path):
     data, reward_fn = prepare(args)
     gc.collect()
     before = {id(o) for o in gc.get_objects() if isinstance(o, CausalLM)}
-    c = build_components(build_configs(args), data, reward_fn, vars(args))
+    c = build_components(build_configs(args), data, reward_fn, vars(args), contextlib.ExitStack())
     gc.collect()
     models = [o for o in gc.get_objects() if isinstance(o, CausalLM) and id(o) not in before]
     assert c.trainer is None and c.engine is not None

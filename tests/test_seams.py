@@ -159,6 +159,7 @@ def module_imports(path: Path) -> set[str]:
     ("rollout", ("miles.train", "miles.debug", "miles.loop", "miles.cli")),
     ("train", ("miles.rollout", "miles.debug", "miles.loop", "miles.cli")),
     ("bridge", ("miles.rollout", "miles.train", "miles.debug", "miles.loop", "miles.cli")),
+    ("serve", ("miles.train", "miles.debug", "miles.loop", "miles.cli")),  # an engine server: rollout side only
 ])
 def test_import_arrows(room, forbidden):
     """The hot path imports no tooling, and the two sides meet only in the bridge (ARCHITECTURE.md)."""

@@ -45,6 +45,8 @@ class SyncStats:
     mismatched: list[str] = field(default_factory=list)  # engine tensors whose digest differs
     buffer_problems: list[str] = field(default_factory=list)  # engine buffers dropped or changed
     per_tensor: list[str] = field(default_factory=list)  # --debug-weight-sync 2: one line per tensor
+    probe_max_diff: float | None = None  # the behavioural check (weight_probe.py), where digests are not comparable
+    engines: int = 1  # servers (or in-process engines) that loaded the weights
 
     @property
     def failed(self) -> bool:
@@ -68,9 +70,12 @@ def verify_digests(stats: SyncStats, expected: dict[str, SentTensor], engine: di
 
 
 def log_sync(s: SyncStats) -> None:
-    line = f"weight_sync step={s.step} tensors={s.tensors} bytes={s.bytes} time_ms={s.seconds * 1e3:.1f}"
+    line = (f"weight_sync step={s.step} tensors={s.tensors} bytes={s.bytes} time_ms={s.seconds * 1e3:.1f} "
+            f"engines={s.engines}")
     if s.checksum is not None:
         line += f" checksum={s.checksum}"
+    if s.probe_max_diff is not None:
+        line += f" probe_max_diff={s.probe_max_diff:.2e}"
     if s.checksum_ok is not None:
         line += f" checksum_ok={str(s.checksum_ok).lower()}"
     logger.info(line)

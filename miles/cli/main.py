@@ -19,12 +19,14 @@ def build_parser() -> argparse.ArgumentParser:
     from miles.cli import train
     from miles.debug import chat_template, check_weights, diff_runs, inspect_rollout, selftest
     from miles.debug import doctor, report
+    from miles.serve import cli as serve
 
     parser = _Parser(prog="miles", description="RL post-training of LLMs (GRPO family) with the debugging "
                                               "workflow built in.")
     parser.add_argument("--version", action="version", version=f"miles {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     train.register(commands)
+    serve.register(commands)
     inspect_rollout.register(commands)
     check_weights.register(commands)
     chat_template.register(commands)

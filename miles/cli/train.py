@@ -167,7 +167,7 @@ def run_locked(args: argparse.Namespace, data, reward_fn, notes: list[str]) -> i
             logger.warning("%d of %d rows of %s have no %r label: their reward is 0", data.missing_labels,
                            len(data.records), data.path, args.label_key)
         run_training(build_configs(args), data=data, reward_fn=reward_fn, config=config)
-    except (UsageError, CheckFailed) as e:  # the `error:` line goes to stderr too (cli/main.py)
+    except (UsageError, CheckFailed, RunFailed) as e:  # the `error:` line goes to stderr too (cli/main.py)
         logger.error("error: %s", e)
         raise
     except OSError as e:  # the disk filled, a directory went read-only, ...

@@ -17,6 +17,7 @@ from miles.rollout.rewards import RM_TYPES  # torch-free: the reward names, with
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus")  # miles.train.advantages.ADVANTAGE_ESTIMATORS
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")  # miles.train.losses.KL_ESTIMATORS
 ATTENTION_BACKENDS = ("sdpa", "eager", "flash")  # miles.utils.models.ATTENTION_IMPLEMENTATIONS
+BACKENDS = ("local", "sglang", "vllm")  # miles.rollout.remote.BACKENDS
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -52,6 +53,27 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reward-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="seconds one sample's reward may take; a reward that hangs stops the run with an error "
                         "naming it (default: 60)")
+
+    g = p.add_argument_group("rollout engines")
+    g.add_argument("--rollout-backend", choices=BACKENDS, default="local",
+                   help="local: miles' engine in process; sglang: servers speaking SGLang's native API (SGLang, or "
+                        "`miles serve`); vllm: vLLM OpenAI servers (default: local)")
+    g.add_argument("--sglang-url", type=_urls, metavar="URL[,URL...]", help="SGLang-API servers to use (with --rollout-backend sglang)")
+    g.add_argument("--vllm-url", type=_urls, metavar="URL[,URL...]", help="vLLM servers to use (with --rollout-backend vllm)")
+    g.add_argument("--rollout-num-engines", type=int, default=1, metavar="N",
+                   help="servers miles starts itself when no URL is given (default: 1)")
+    g.add_argument("--vllm-python", metavar="PATH", help="the python of a vLLM install, for the vLLM servers miles starts "
+                                                         "(default: the interpreter of the `vllm` on PATH)")
+    g.add_argument("--sglang-log-dir", metavar="DIR", default="/tmp/sglang",
+                   help="logs of the servers miles starts, SGLang's and vLLM's (default: /tmp/sglang)")
+    g.add_argument("--sglang-server-concurrency", type=int, default=64, metavar="N",
+                   help="requests in flight per server (default: 64)")
+    g.add_argument("--rollout-request-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="seconds one request to a server may take (default: 600)")
+    g.add_argument("--rollout-request-retries", type=int, default=3, metavar="N",
+                   help="attempts per request on a connection error, timeout or 5xx; 4xx is never retried (default: 3)")
+    g.add_argument("--engine-start-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="seconds a server miles starts may take to answer its health check (default: 600)")
 
     g = p.add_argument_group("training")
     g.add_argument("--num-rollout", type=int, default=4, help="rollout steps in the whole run, counted from step 1 (default: 4)")
@@ -132,6 +154,7 @@ def _positive(args: argparse.Namespace, *names: str, allow_zero: bool = False) -
 def validate_train_args(args: argparse.Namespace) -> None:
     """Checks flags that need no data and no model. Raises UsageError naming the flag."""
     _check_debug_flags(args)
+    _check_engine_flags(args)
     _positive(args, "rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len", "num_rollout",
               "num_steps_per_rollout", "global_batch_size", "micro_batch_size", "save_interval",
               "rollout_max_prompt_len", "lr", "tis_clip", "keep_checkpoints", "max_nonfinite_steps", "reward_timeout")
@@ -203,6 +226,39 @@ def check_not_a_finished_lineage(output_dir: str, save: str | None) -> None:
     if holds_rows(output_dir) and (steps := step_dirs(save or Path(output_dir) / "checkpoints")):
         raise UsageError(f"--output-dir {output_dir} already holds a run (checkpoints up to step_{max(steps)}); "
                          f"resume it with --load {output_dir}, or pick a new --output-dir")
+
+
+def _urls(text: str) -> list[str]:
+    """URL[,URL...]: each http(s)://host:port, without a trailing slash."""
+    from urllib.parse import urlsplit
+
+    urls = [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise argparse.ArgumentTypeError(f"{url!r} is not an http(s)://HOST:PORT URL")
+    if not urls:
+        raise argparse.ArgumentTypeError("no URL given")
+    return urls
+
+
+def _check_engine_flags(args: argparse.Namespace) -> None:
+    backend = args.rollout_backend
+    for flag, value, wants in (("--sglang-url", args.sglang_url, "sglang"), ("--vllm-url", args.vllm_url, "vllm")):
+        if value and backend != wants:
+            raise UsageError(f"{flag} is for --rollout-backend {wants} (this run's is {backend}): pass "
+                             f"--rollout-backend {wants}, or drop {flag}")
+    _positive(args, "rollout_num_engines", "sglang_server_concurrency", "rollout_request_retries")
+    for name in ("rollout_request_timeout", "engine_start_timeout"):
+        if not getattr(args, name) > 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(args, name)})")
+    if backend == "local":
+        return
+    if args.true_on_policy_mode:
+        raise UsageError(f"--true-on-policy-mode needs the engine to run the trainer's own kernels in the trainer's "
+                         f"process: only --rollout-backend local can; drop it with --rollout-backend {backend}")
+    if args.vllm_python is not None and not os.access(args.vllm_python, os.X_OK):
+        raise UsageError(f"--vllm-python {args.vllm_python}: not an executable file")
 
 
 def _check_debug_flags(args: argparse.Namespace) -> None:

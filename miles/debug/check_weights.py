@@ -3,6 +3,7 @@
     miles check-weights ckpt/iter_10_hf dump/engine_weights   # checkpoint dirs, sharded or not
     miles check-weights a.safetensors b.safetensors --atol 1e-3 # single files; values within a tolerance
     miles check-weights A B --json                            # the same findings, for machines
+    miles check-weights ckpt/step_3 http://127.0.0.1:30000    # does a running engine hold them?
 
 Aimed at the weight-sync bugs of RL training: names lost in a mapping, a prefix (`model.`, `module.`)
 added or dropped, a tensor written transposed, a silent dtype cast, buffers left behind, and pipeline
@@ -42,7 +43,11 @@ def register(commands) -> None:
     p = commands.add_parser("check-weights", help="compare two weight sets: names, shapes, dtypes, values, "
                             "transposes, layer offsets", description=__doc__.splitlines()[0])
     p.add_argument("a", metavar="A", help="checkpoint dir (HF safetensors, sharded or not) or a .safetensors file")
-    p.add_argument("b", metavar="B", help="the other weight set, same forms as A")
+    p.add_argument("b", metavar="B", help="the other weight set, same forms as A, or an engine URL (`miles serve`, "
+                                          "SGLang, vLLM): does the running engine hold A's weights?")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="against an engine without digests (vLLM, SGLang): the engine's precision, which sets the "
+                        "probe's tolerance (default: fp32)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--atol", type=float, default=0.0, metavar="X",
                    help="compare values within X (as float32) instead of byte for byte")
@@ -52,6 +57,12 @@ def register(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.atol < 0:
         raise UsageError(f"--atol {args.atol}: must be >= 0")
+    if "://" in args.a:
+        raise UsageError(f"A: {args.a}: put the engine URL second (miles check-weights CHECKPOINT URL)")
+    if args.b.startswith(("http://", "https://")):
+        from miles.debug.check_engine import check_engine
+
+        return check_engine(args.a, args.b, as_json=args.json, precision=args.precision)
     files_a, files_b = resolve("A", args.a), resolve("B", args.b)  # both paths checked before torch loads
     report = compare(WeightSet("A", args.a, files_a), WeightSet("B", args.b, files_b), args.atol)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
@@ -61,29 +72,13 @@ def run(args: argparse.Namespace) -> int:
 def resolve(label: str, spec: str) -> list[Path]:
     """The safetensors files behind an argument; a UsageError naming the argument if there are none."""
     if "://" in spec:
-        raise UsageError(f"{label}: {spec}: engine URLs are not supported yet (`miles serve` does not exist); "
-                         "save the engine's weights as safetensors and pass that file or dir")
-    path = Path(spec)
-    if not path.exists():
-        raise UsageError(f"{label}: {spec}: no such file or directory")
-    if path.is_file():
-        if path.suffix != ".safetensors":
-            raise UsageError(f"{label}: {spec} is not a .safetensors file")
-        return [path]
-    index = path / "model.safetensors.index.json"
-    if index.is_file():  # the index names the shards; stray *.safetensors next to them are not part of it
-        try:
-            files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
-        except (ValueError, KeyError, AttributeError) as e:
-            raise UsageError(f"{label}: {index} is not a valid index ({e!r})") from None
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise UsageError(f"{label}: {index} lists shards that are missing: {', '.join(missing)}")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise UsageError(f"{label}: {spec} has no *.safetensors files")
-    return files
+        raise UsageError(f"{label}: {spec}: only http(s):// engine URLs are understood, as B")
+    from miles.utils.safetensors_files import safetensors_files
+
+    try:
+        return safetensors_files(spec)
+    except ValueError as e:
+        raise UsageError(f"{label}: {e}") from None
 
 
 class WeightSet:

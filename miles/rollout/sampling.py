@@ -32,23 +32,33 @@ def stream_uniforms(seeds: list[int], n: int) -> torch.Tensor:
                         for s in seeds])
 
 
-def sampling_cdf(log_probs: torch.Tensor, top_p: float) -> torch.Tensor:
+def sampling_cdf(log_probs: torch.Tensor, top_p: float, top_k: int | None = None) -> torch.Tensor:
     """(B, V) float64 cumulative mass of the distribution sampled from: exp(log_probs), truncated to
-    the top-p nucleus when top_p < 1 (unnormalised: the last column is the total)."""
+    the top-p nucleus when top_p < 1 and to the k likeliest tokens when top_k is given
+    (unnormalised: the last column is the total).
+
+    With both, a token is kept when it is inside both cuts, each measured on the untruncated
+    distribution (as SGLang's sampler does: top_p is not re-applied after top_k renormalises).
+    """
     probs = log_probs.double().exp()
-    if top_p < 1.0:
+    truncate_k = top_k is not None and top_k < probs.shape[-1]
+    if top_p < 1.0 or truncate_k:
         # Keep the smallest prefix of the sorted distribution whose mass reaches top_p.
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         outside = sorted_probs.cumsum(-1) - sorted_probs > top_p
+        if truncate_k:
+            outside[..., top_k:] = True
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
     return probs.cumsum(-1)
 
 
-def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, uniforms: torch.Tensor | None):
+def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, uniforms: torch.Tensor | None, *,
+                  top_k: int | None = None):
     """Samples one token per row of `logits` (B, V) with one uniform (B,) per row.
 
     Returns (tokens (B,), log_probs (B,)): the log-probs are float32 under the temperature-scaled
-    distribution before top-p (what the trainer computes); temperature 0 is greedy.
+    distribution before top-p and top-k (what the trainer computes); temperature 0 is greedy.
+    `top_k` (None: the whole vocabulary) is `miles serve`'s; `miles train` never sets it.
     """
     logits = logits.float()
     if sampling.temperature == 0:
@@ -56,7 +66,7 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, uniforms: torc
         tokens = log_probs.argmax(dim=-1)
         return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
     log_probs = torch.log_softmax(logits / sampling.temperature, dim=-1)
-    cdf = sampling_cdf(log_probs, sampling.top_p)
+    cdf = sampling_cdf(log_probs, sampling.top_p, top_k)
     # The first token whose cumulative mass exceeds u * total: token k with probability p_k / total.
     target = uniforms.to(cdf.device, torch.float64)[:, None] * cdf[:, -1:]
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)

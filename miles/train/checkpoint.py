@@ -18,14 +18,13 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 from datetime import datetime
 from pathlib import Path
 
 import torch
 
 from miles.errors import CheckFailed, UsageError
-from miles.utils.io import readable_mode
+from miles.utils.io import atomic_dir
 from miles.utils.run_dirs import TRAINER_STATE, step_dirs
 
 logger = logging.getLogger("miles")
@@ -39,21 +38,11 @@ def save_checkpoint(root: str | Path, step: int, model, tokenizer, trainer_state
     if bad is not None:
         raise CheckFailed(f"not saving checkpoint step_{step}: tensor {bad} holds NaN/Inf values (the last "
                           f"checkpoint on disk is untouched); the weights were loaded that way or a step went wrong")
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    target = root / f"step_{step}"
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".step_{step}.tmp-"))
-    try:
+    target = Path(root) / f"step_{step}"
+    with atomic_dir(target) as tmp:  # `.step_N.tmp-*` until complete
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         torch.save({**trainer_state, "step": step}, tmp / TRAINER_STATE)
-        os.chmod(tmp, readable_mode(directory=True))  # mkdtemp makes 0700
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     logger.info("Saved checkpoint to %s", target)
     return target
 

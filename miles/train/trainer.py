@@ -64,6 +64,15 @@ class Trainer:
     def autocast(self):
         return mixed_precision(self.precision, self.device.type)
 
+    @torch.no_grad()
+    def prompt_log_probs(self, tokens: list[int]) -> list[float]:
+        """log p(tokens[i] | tokens[:i]) for i >= 1 at temperature 1, under the trainer's autocast: the
+        trainer's side of the weight probe an engine without comparable digests is checked with."""
+        samples = [Sample(group_index=0, index=0, prompt="", tokens=tokens, response_length=len(tokens) - 1,
+                          loss_mask=[1] * (len(tokens) - 1))]
+        batch = TrainBatch.from_samples(samples, self.pad_token_id, self.device)
+        return score_rollout(self.model, batch, len(tokens), 1.0, self.autocast)[0][0].tolist()
+
     def _score(self, model, batch: TrainBatch) -> torch.Tensor:
         return score_rollout(model, batch, self.cfg.micro_batch_size, self.temperature, self.autocast)[0]
 

@@ -118,7 +118,22 @@ def load_causal_lm(path: str | Path, *, device: str, attention_backend: str, dty
 
 def eos_token_ids(model, tokenizer) -> list[int]:
     """Every token that ends a response: the tokenizer's EOS and the generation config's."""
+    return _eos_ids(tokenizer, getattr(model, "generation_config", None))
+
+
+def eos_token_ids_of_dir(path, tokenizer) -> list[int]:
+    """`eos_token_ids` from a model dir's generation_config.json, without loading the weights."""
+    from transformers import GenerationConfig
+
+    try:
+        generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json
+        generation_config = None
+    return _eos_ids(tokenizer, generation_config)
+
+
+def _eos_ids(tokenizer, generation_config) -> list[int]:
     ids = {tokenizer.eos_token_id}
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    gen_eos = getattr(generation_config, "eos_token_id", None)
     ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
     return sorted(i for i in ids if i is not None)

@@ -32,6 +32,25 @@ def make_cache(kind: str, config, max_len: int):
     return DynamicCache(config=config)
 
 
+class CachedForward:
+    """One forward of a causal LM through a KV cache, in whichever keywords this transformers
+    version speaks: 5.2x renamed `past_key_values` to `cache` and dropped `cache_position` (the
+    cache tracks its own length). Shared by this decode loop and `miles serve`'s scheduler."""
+
+    def __init__(self, model):
+        self.model = model
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._takes_cache_position = "cache_position" in inspect.signature(model.base_model.forward).parameters
+
+    def __call__(self, input_ids, attention_mask, position_ids, cache_position, cache, **kw) -> torch.Tensor:
+        """Logits (B, K, V) of the positions the model keeps (all, or the last `logits_to_keep`)."""
+        if self._takes_cache_position:
+            kw["cache_position"] = cache_position
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=True, **{self._cache_kwarg: cache}, **kw)
+        return out.logits
+
+
 class Decoder:
     """Runs the loop for one engine's model; `cache` picks the cache factory (CACHES)."""
 
@@ -45,10 +64,7 @@ class Decoder:
         self.stop_check_every = stop_check_every
         self.device = next(model.parameters()).device
         self.eos = torch.tensor(eos_token_ids, device=self.device)
-        # transformers 5.2x renamed `past_key_values` to `cache` and dropped `cache_position` (the
-        # cache tracks its own length): speak whichever this version has.
-        self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        self._takes_cache_position = "cache_position" in inspect.signature(model.base_model.forward).parameters
+        self.forward = CachedForward(model)
 
     @torch.no_grad()
     def decode(self, prompts: list[list[int]], sampling: SamplingParams, uniforms: torch.Tensor,
@@ -101,11 +117,7 @@ class Decoder:
         """Logits (B, V) of the last position; a dynamic cache sees the mask's first `seen` columns,
         a static cache all of them (unwritten slots are 0)."""
         attention_mask = mask if self.cache == "static" else mask[:, :seen]
-        if self._takes_cache_position:
-            kw["cache_position"] = cache_position
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=True, **{self._cache_kwarg: cache}, **kw)
-        return out.logits[:, -1]
+        return self.forward(input_ids, attention_mask, position_ids, cache_position, cache, **kw)[:, -1]
 
     @staticmethod
     def _collect(tokens, log_probs, stop_step, limit, weight_version) -> list[GenerationOutput]:

@@ -1,0 +1,55 @@
+"""Rollout through inference servers: SGLang's native API (SGLang, `miles serve`) or vLLM's.
+
+`connect` gives a `RemoteEngine` over the servers of `--sglang-url` / `--vllm-url`, or over
+servers it starts (launcher.py) when no URL is given. No model is loaded in this process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+from miles.config import EngineConfig
+from miles.rollout.remote.engine import RemoteEngine
+from miles.rollout.remote.http import EngineError, ServerClient
+from miles.rollout.remote.launcher import ServerFleet
+from miles.rollout.remote.sglang import SGLangServer
+from miles.rollout.remote.untie import is_tied, untied_copy
+from miles.rollout.remote.vllm import VLLMServer
+
+BACKENDS = ("local", "sglang", "vllm")
+_SERVERS = {"sglang": SGLangServer, "vllm": VLLMServer}
+
+logger = logging.getLogger("miles")
+
+__all__ = ["BACKENDS", "EngineError", "RemoteEngine", "connect"]
+
+
+def connect(cfg: EngineConfig, *, model_dir: str, closers: contextlib.ExitStack, precision: str, seed: int,
+            max_model_len: int, eos_token_ids: list[int], vocab_size: int, weight_version: int,
+            work_dir: Path) -> RemoteEngine:
+    """`work_dir` holds what the servers load: the untied copy vLLM starts from (untie.py)."""
+    urls = list(cfg.urls)
+    untie = cfg.backend == "vllm" and is_tied(model_dir)
+    if untie and not urls:
+        model_dir = str(untied_copy(model_dir, work_dir / f"untied-step_{weight_version}"))
+        logger.info("vLLM: the tied lm_head is loaded untied (vLLM 0.32 reloads a tied one wrong): %s", model_dir)
+    elif untie:
+        logger.warning("%s serves a model with tied embeddings; vLLM 0.32's reload_weights leaves a tied lm_head on "
+                       "the old weights: start it on an untied copy (miles does when it starts vLLM itself) and "
+                       "check with --check-weight-update-equal", ", ".join(urls))
+    if not urls:
+        fleet = closers.enter_context(ServerFleet(cfg.backend, model_dir, cfg.num_engines, log_dir=cfg.log_dir,
+                                                  start_timeout=cfg.start_timeout, precision=precision, seed=seed,
+                                                  max_model_len=max_model_len, python=cfg.vllm_python,
+                                                  weight_version=weight_version))
+        urls = fleet.start()
+    server_type = _SERVERS[cfg.backend]
+    servers = [server_type(ServerClient(url, flag=server_type.flag, timeout=cfg.request_timeout, retries=cfg.retries),
+                           eos_token_ids=eos_token_ids, vocab_size=vocab_size) for url in urls]
+    for server in servers:  # fail now, naming the URL, rather than at the first rollout
+        server.client.request("GET", server.health_path)
+    logger.info("Rollout backend %s: %d server(s) %s, %d requests in flight each", cfg.backend, len(servers),
+                ", ".join(urls), cfg.concurrency)
+    return RemoteEngine(servers, concurrency=cfg.concurrency, weight_version=weight_version, untie=untie)

@@ -1,0 +1,58 @@
+"""What an inference server's answers must look like before miles trusts them.
+
+Both adapters (sglang.py, vllm.py) turn a server's JSON into `GenerationOutput`s here, so the same
+checks hold for every backend: one output per request, token ids in the vocabulary, one finite
+log-prob <= 0 per token, no more tokens than asked for, a known finish reason. Anything else is a
+server answering garbage: `Garbage`, which the adapter reports as an `EngineError` naming the URL.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from miles.rollout.engine import GenerationOutput
+
+FINISH_REASONS = ("stop", "length")
+
+
+class Garbage(ValueError):
+    """The server's answer is not what its protocol promises."""
+
+
+def checked_output(token_ids: Any, log_probs: Any, finish: Any, *, max_new_tokens: int, vocab_size: int,
+                   weight_version: int | None) -> GenerationOutput:
+    if not isinstance(token_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+        raise Garbage(f"token ids are not a list of ints ({_short(token_ids)})")
+    if not isinstance(log_probs, list) or len(log_probs) != len(token_ids):
+        raise Garbage(f"{_count(log_probs)} log-probs for {len(token_ids)} tokens")
+    if len(token_ids) > max_new_tokens:
+        raise Garbage(f"{len(token_ids)} tokens for a budget of {max_new_tokens}")
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise Garbage(f"token id {bad} is outside the vocabulary ({vocab_size} tokens): the server runs another model")
+    for lp in log_probs:
+        if not isinstance(lp, (int, float)) or isinstance(lp, bool) or math.isnan(lp) or lp > 1e-3:
+            raise Garbage(f"log-prob {_short(lp)} is not a number <= 0")
+    if finish not in FINISH_REASONS:
+        raise Garbage(f"finish reason {_short(finish)}; expected one of {', '.join(FINISH_REASONS)}")
+    # vLLM writes a -inf log-prob as -9999.0; keep what the engine said, as a float
+    return GenerationOutput([int(t) for t in token_ids], [float(x) for x in log_probs], finish,
+                            weight_version=weight_version)
+
+
+def version_number(value: Any) -> int | None:
+    """A server's weight_version ("3", 3, "default") as the step number miles sent, when it is one."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _count(value: Any) -> str:
+    return str(len(value)) if isinstance(value, list) else f"no list of ({_short(value)})"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,95 @@
+"""A vLLM OpenAI-compatible server (started with VLLM_SERVER_DEV_MODE=1 for its RL endpoints).
+
+Generation is one `POST /v1/completions` per sample: a token-id `prompt`, the sample's `seed`,
+`logprobs: 0` (the sampled token's log-prob) and `return_token_ids`. One request per sample because
+vLLM's `seed` is per request: a batched request would give a GRPO group's identical prompts one
+seed, hence identical responses. Log-probs are the sampling distribution's only when the server
+runs with `--logprobs-mode processed_logprobs` (miles starts it so; `raw_logprobs`, vLLM's default,
+ignores the temperature and the step-1 alignment check says so).
+
+Weights: `/pause?mode=wait` -> `/collective_rpc reload_weights {weights_path}` ->
+`/reset_prefix_cache` -> `/resume`. vLLM's `/weight_checker` digests are not comparable on CPU
+(fused tensors such as qkv_proj hash as empty), so `weights_checksum` is None and a weight check
+is behavioural: `prompt_log_probs` of a fixed sequence, compared with the trainer's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from miles.config import SamplingParams
+from miles.rollout.engine import GenerationOutput
+from miles.rollout.remote.http import ServerClient
+from miles.rollout.remote.protocol import Garbage, checked_output
+
+FLAG = "--vllm-url"
+
+
+class VLLMServer:
+    flag = FLAG
+    health_path = "/health"
+
+    def __init__(self, client: ServerClient, *, eos_token_ids: list[int], vocab_size: int):
+        self.client, self.eos_token_ids, self.vocab_size = client, eos_token_ids, vocab_size
+        self.weight_version: int | None = None  # vLLM does not track one: the last step loaded
+
+    def body(self, prompt: list[int], sampling: SamplingParams, seed: int) -> dict[str, Any]:
+        # Every sampling field explicit: vLLM fills unset ones from the model's generation_config.json.
+        return {"prompt": prompt, "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+                "top_p": sampling.top_p, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "seed": seed,
+                "logprobs": 0, "return_token_ids": True, "stop_token_ids": self.eos_token_ids,
+                "skip_special_tokens": False, "n": 1}
+
+    async def generate(self, session: httpx.AsyncClient, prompts: list[list[int]], sampling: SamplingParams,
+                       seeds: list[int]) -> list[GenerationOutput]:
+        import asyncio
+
+        answers = await asyncio.gather(*(self.client.call(session, "POST", "/v1/completions",
+                                                          self.body(p, sampling, s)) for p, s in zip(prompts, seeds)))
+        try:
+            return [self._output(a, sampling) for a in answers]
+        except Garbage as e:
+            raise self.client.fail(f"POST /v1/completions answered garbage: {e}") from None
+
+    def _output(self, answer: Any, sampling: SamplingParams) -> GenerationOutput:
+        choices = answer.get("choices") if isinstance(answer, dict) else None
+        if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+            raise Garbage("no single choice in the completion")
+        choice = choices[0]
+        logprobs = choice.get("logprobs")
+        if not isinstance(logprobs, dict) or "token_ids" not in choice:
+            raise Garbage("no token_ids / logprobs (the server must honour return_token_ids and logprobs)")
+        if choice.get("finish_reason") == "abort":
+            raise Garbage("the server aborted the request")
+        return checked_output(choice["token_ids"], logprobs.get("token_logprobs"), choice.get("finish_reason"),
+                              max_new_tokens=sampling.max_new_tokens, vocab_size=self.vocab_size,
+                              weight_version=self.weight_version)
+
+    def load_weights(self, path: str, weight_version: int) -> None:
+        c = self.client
+        if not any(Path(path).glob("*.safetensors")):  # vLLM 0.32's engine dies at the next request after a bad reload
+            raise c.fail(f"{path} holds no *.safetensors to reload_weights from")
+        c.request("POST", "/pause", params={"mode": "wait"})
+        try:
+            c.request("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
+            c.request("POST", "/reset_prefix_cache")
+        finally:
+            c.request("POST", "/resume")
+        self.weight_version = weight_version
+
+    def weights_checksum(self) -> dict[str, dict] | None:
+        return None
+
+    def prompt_log_probs(self, tokens: list[int]) -> list[float]:
+        """log p(tokens[i] | tokens[:i]) for i >= 1, from `prompt_logprobs` (never temperature-scaled)."""
+        answer = self.client.request("POST", "/v1/completions",
+                                     {"prompt": tokens, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0})
+        try:
+            entries = answer["choices"][0]["prompt_logprobs"]
+            return [float(entries[i][str(t)]["logprob"]) for i, t in enumerate(tokens) if i > 0]
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise self.client.fail(f"POST /v1/completions (scoring) gave no prompt_logprobs for {len(tokens)} tokens") \
+                from None
