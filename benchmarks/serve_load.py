@@ -133,14 +133,18 @@ async def run_clients(url: str, prompts, seeds, clients: int, max_new_tokens: in
             "failures": failures[:3]}
 
 
-def run_local(model: str, prompts, seeds, clients: int, max_new_tokens: int, repeats: int) -> list[dict]:
+def run_local(model: str, prompts, seeds, clients: int, max_new_tokens: int, repeats: int, *, device: str,
+              precision: str) -> list[dict]:
     """LocalEngine.generate in process: the same prompts and seeds, batches of `clients`."""
+    import torch
+
     from miles.config import SamplingParams
     from miles.rollout.local import LocalEngine
     from miles.utils.models import eos_token_ids, load_causal_lm, load_tokenizer
 
     tok = load_tokenizer(model)
-    lm = load_causal_lm(model, device="cpu", attention_backend="sdpa")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    lm = load_causal_lm(model, device=device, attention_backend="sdpa", dtype=dtype)
     engine = LocalEngine(lm, eos_token_ids=eos_token_ids(lm, tok), pad_token_id=tok.pad_token_id)
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0)
     engine.generate(prompts[:2], sampling, seeds[:2])  # warm-up
@@ -185,6 +189,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--cpu-threads", type=int, default=None, help="torch threads, for the server and in process")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--skip-local", action="store_true", help="the server only")
     args = ap.parse_args()
 
@@ -197,7 +203,7 @@ def main() -> None:
         torch.set_num_threads(args.cpu_threads)
     model = args.hf_checkpoint or default_model()
     prompts, seeds = workload(load_tokenizer(model), args.requests, args.seed)
-    extra = ["--max-running-requests", str(args.clients)]
+    extra = ["--max-running-requests", str(args.clients), "--device", args.device, "--precision", args.precision]
     if args.cpu_threads:
         extra += ["--cpu-threads", str(args.cpu_threads)]
     server = Server(model, extra)
@@ -214,11 +220,11 @@ def main() -> None:
     finally:
         server.stop()
     local = [] if args.skip_local else run_local(model, prompts, seeds, args.clients, args.max_new_tokens,
-                                                 args.repeats)
+                                                 args.repeats, device=args.device, precision=args.precision)
 
-    print(f"model {model}; {args.requests} requests x max {args.max_new_tokens} new tokens, temperature 1, "
-          f"{args.clients} clients; {args.repeats} repeats, median [min, max]; torch threads "
-          f"{args.cpu_threads or torch.get_num_threads()}")
+    print(f"model {model} ({args.device} {args.precision}); {args.requests} requests x max {args.max_new_tokens} "
+          f"new tokens, temperature 1, {args.clients} clients; {args.repeats} repeats, median [min, max]; torch "
+          f"threads {args.cpu_threads or torch.get_num_threads()}")
     print("\n| | miles serve | LocalEngine.generate (batches of %d) |\n|---|---|---|" % args.clients)
     rows = [("generated tokens/s", "tok_s", ".1f"), ("wall time (s)", "wall_s", ".2f"),
             ("p50 request latency (s)", "p50_s", ".2f"), ("p99 request latency (s)", "p99_s", ".2f"),
@@ -229,7 +235,8 @@ def main() -> None:
     print(f"| server RSS (MiB) before / peak / after | {rss_before:.0f} / "
           f"{max(r['rss_peak_mib'] for r in served):.0f} / {rss_after:.0f} | |")
     print(f"\nserver: max batch {stats['max_batch_size']}, sequences that joined a running batch "
-          f"{stats['joined_running_batch']}, decode steps {stats['steps']}")
+          f"{stats['joined_running_batch']}, decode steps {stats['steps']}, prefill forwards "
+          f"{stats['prefill_batches']}")
     failures = [f for r in served for f in r["failures"]]
     if failures:
         print("failures:", failures)

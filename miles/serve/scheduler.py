@@ -98,6 +98,7 @@ class Counters:
     steps: int = 0  # decode iterations
     generated_tokens: int = 0
     prefill_tokens: int = 0
+    prefill_batches: int = 0  # prefill forwards (one per group of newcomers admitted together)
     joined_running_batch: int = 0  # sequences admitted while other rows were mid-decode
     retracted: int = 0
     max_batch_size: int = 0
@@ -150,11 +151,7 @@ class Scheduler:
         """Queues sequences; each future resolves to a SequenceResult (or raises ValueError: a rid
         already in flight, or a full queue)."""
         futures = [Future() for _ in requests]
-        if self._died is not None:
-            for f in futures:
-                f.set_exception(RuntimeError(f"the scheduler failed: {self._died!r}"))
-        else:
-            self._inbox.put((self._enqueue, (requests, futures), None))
+        self._post(self._enqueue, (requests, futures), futures)
         return futures
 
     def abort(self, rid: str, abort_all: bool) -> Future:
@@ -170,10 +167,7 @@ class Scheduler:
     def update_weights(self, update: WeightUpdate) -> Future:
         """Resolves to the number of sequences paused (frozen or retracted) when the weights changed."""
         future = Future()
-        if self._died is not None:
-            future.set_exception(RuntimeError(f"the scheduler failed: {self._died!r}"))
-        else:
-            self._inbox.put((self._request_update, (update, future), None))
+        self._post(self._request_update, (update, future), [future])
         return future
 
     def weights_checksum(self) -> Future:
@@ -192,12 +186,19 @@ class Scheduler:
                 "max_queued_requests": self.limits.max_queued_requests}
 
     def _call(self, fn: Callable) -> Future:
+        """fn() on the thread; the future gets its result."""
         future = Future()
-        if self._died is not None:
-            future.set_exception(RuntimeError(f"the scheduler failed: {self._died!r}"))
-        else:
-            self._inbox.put((fn, (), future))
+        self._post(fn, (), [future], reply=future)
         return future
+
+    def _post(self, fn: Callable, args: tuple, waiting: list[Future], reply: Future | None = None) -> None:
+        """Hands fn(*args) to the thread (its result to `reply`, when given); if the thread has died,
+        the `waiting` futures fail at once instead."""
+        if self._died is not None:
+            for f in waiting:
+                f.set_exception(RuntimeError(f"the scheduler failed: {self._died!r}"))
+        else:
+            self._inbox.put((fn, args, reply))
 
     # -- the thread -------------------------------------------------------------------------------
 
@@ -246,29 +247,26 @@ class Scheduler:
         if not logits:
             return
         tokens, logps = self._sample(torch.cat(logits))
+        self.counters.max_batch_size = max(self.counters.max_batch_size, len(self._rows))
         self._finish_rows(tokens.tolist(), logps.tolist())
         self.counters.steps += 1
-        self.counters.max_batch_size = max(self.counters.max_batch_size, len(self._rows))
         self.last_progress = time.monotonic()
 
     # -- admission and prefill ------------------------------------------------------------------
 
     def _enqueue(self, requests: list[SequenceRequest], futures: list[Future]) -> None:
-        clash = [r.rid for r in requests if r.rid in self._rids]
-        if clash:
-            error = ValueError(f"Duplicate request ID(s) detected: {', '.join(clash[:4])} already in flight.")
-        elif len(self._waiting) + len(requests) > self.limits.max_queued_requests:
-            error = OverflowError(f"The request queue is full ({self.limits.max_queued_requests} sequences waiting; "
-                                  "--max-queued-requests).")
-        else:
-            error = None
-        now = time.monotonic()
+        """Queues a request's sequences, or refuses them all (a rid already in flight, a full queue)."""
         try:
-            if error is not None:
-                raise error
+            clash = [r.rid for r in requests if r.rid in self._rids]
+            if clash:
+                raise ValueError(f"Duplicate request ID(s) detected: {', '.join(clash[:4])} already in flight.")
+            if len(self._waiting) + len(requests) > self.limits.max_queued_requests:
+                raise OverflowError(f"The request queue is full ({self.limits.max_queued_requests} sequences "
+                                    "waiting; --max-queued-requests).")
+            now = time.monotonic()
             seqs = [_Sequence(r, f, now, stream_uniforms([r.sampling.seed], r.sampling.max_new_tokens)[0])
                     for r, f in zip(requests, futures)]
-        except Exception as e:  # refused: every future of the request says why
+        except Exception as e:  # every future of the request says why
             for f in futures:
                 f.set_exception(e)
             return
@@ -307,6 +305,7 @@ class Scheduler:
         if running and (group or singles):
             self.counters.joined_running_batch += len(group) + len(singles)
         logits = []
+        self.counters.prefill_batches += bool(group) + len(singles)
         if group:
             logits.append(self.batch.prefill([s.req.input_ids + s.output_ids for s in group])[:, -1])
         for seq in singles:
@@ -349,12 +348,17 @@ class Scheduler:
     def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One token (B,) and its log-prob (B,) per row, each row with its own parameters; rows
         sharing (temperature, top_p, top_k) are sampled together."""
-        tokens = torch.empty(len(self._rows), dtype=torch.long)
-        logps = torch.empty(len(self._rows), dtype=torch.float32)
         u = torch.stack([s.uniforms[len(s.output_ids)] for s in self._rows])  # (B,) each row's next number
         groups = defaultdict(list)
         for i, s in enumerate(self._rows):
             groups[(s.req.sampling.temperature, s.req.sampling.top_p, s.req.sampling.top_k)].append(i)
+        if len(groups) == 1:  # the common case: one sampling setup for the whole batch
+            (temperature, top_p, top_k), = groups
+            tok, logp = sample_tokens(logits, SamplingParams(max_new_tokens=1, temperature=temperature, top_p=top_p),
+                                      u, top_k=top_k)
+            return tok.cpu(), logp.float().cpu()
+        tokens = torch.empty(len(self._rows), dtype=torch.long)
+        logps = torch.empty(len(self._rows), dtype=torch.float32)
         for (temperature, top_p, top_k), rows in groups.items():
             index = torch.tensor(rows)
             params = SamplingParams(max_new_tokens=1, temperature=temperature, top_p=top_p)
