@@ -35,17 +35,12 @@ def check_engine(checkpoint: str, url: str, *, as_json: bool, precision: str) ->
 
 def _by_digest(path: Path, client) -> dict | None:
     """The digest comparison, or None when the server has no /weights_checksum."""
-    from miles.rollout.remote.http import EngineError
+    from miles.rollout.remote.sglang import SGLangServer
 
-    try:
-        answer = client.request("GET", "/weights_checksum")
-    except EngineError as e:
-        if "refused with 404" in str(e):
-            return None
-        raise
-    engine = answer.get("tensors") if isinstance(answer, dict) else None
-    if not isinstance(engine, dict):
-        raise client.fail(f"GET /weights_checksum answered {str(answer)[:120]}")
+    answer = SGLangServer(client, eos_token_ids=[], vocab_size=0).checksum_answer()
+    if answer is None:
+        return None
+    engine = answer["tensors"]
     import torch
     from safetensors import safe_open
 

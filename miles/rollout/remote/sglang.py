@@ -77,16 +77,20 @@ class SGLangServer:
 
     def weights_checksum(self) -> dict[str, dict] | None:
         """`miles serve`'s per-tensor digests; None from a server without the endpoint (SGLang)."""
+        answer = self.checksum_answer()
+        return None if answer is None else answer["tensors"]
+
+    def checksum_answer(self) -> dict | None:
+        """`GET /weights_checksum` whole ({"weight_version", "tensors"}); None when the server has none."""
         try:
             answer = self.client.request("GET", "/weights_checksum")
         except Exception as e:
             if "refused with 404" in str(e):
                 return None
             raise
-        tensors = answer.get("tensors") if isinstance(answer, dict) else None
-        if not isinstance(tensors, dict):
+        if not (isinstance(answer, dict) and isinstance(answer.get("tensors"), dict)):
             raise self.client.fail(f"GET /weights_checksum answered {_what(answer)}")
-        return tensors
+        return answer
 
     def prompt_log_probs(self, tokens: list[int]) -> list[float]:
         """log p(tokens[i] | tokens[:i]) for i >= 1, temperature 1, from `input_token_logprobs`."""
