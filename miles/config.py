@@ -149,6 +149,33 @@ class EngineConfig:
     """Attempts per request on a connection error, timeout or 5xx (4xx are never retried)."""
     start_timeout: float
     """Seconds a server miles starts may take to become healthy."""
+    mem_fraction_static: float | None
+    """The share of each GPU a server miles starts may take (None: the server's default)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """Where the trainer runs (one process, or Ray-hosted ranks) and how the two sides share time."""
+
+    actor_num_nodes: int | None
+    actor_num_gpus_per_node: int | None
+    """Either given: the trainer runs as nodes x gpus ranks on Ray; neither: in this process."""
+    rollout_num_gpus: int | None
+    """Devices for the engines miles starts on Ray (None: --rollout-num-engines engines of one each)."""
+    rollout_num_gpus_per_engine: int
+    colocate: bool
+    """Engines share the trainer's devices, taking turns (the trainer offloads while they generate)."""
+    distributed_timeout_minutes: float
+    """How long a collective (weight gather, gradient reduce) may wait before it is an error."""
+    async_rollout: bool
+    """--async: rollout k+1 is generated while the trainer trains on rollout k."""
+
+    @property
+    def ranks(self) -> int | None:
+        """Trainer ranks on Ray, or None for a 1-process run."""
+        if self.actor_num_nodes is None and self.actor_num_gpus_per_node is None:
+            return None
+        return (self.actor_num_nodes or 1) * (self.actor_num_gpus_per_node or 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,6 +187,7 @@ class Configs:
     train: TrainConfig
     run: RunConfig
     debug: DebugConfig
+    cluster: ClusterConfig
 
 
 def build_configs(args: argparse.Namespace) -> Configs:
@@ -179,7 +207,7 @@ def build_configs(args: argparse.Namespace) -> Configs:
             backend=a.rollout_backend, urls=tuple(a.sglang_url or a.vllm_url or ()), num_engines=a.rollout_num_engines,
             vllm_python=a.vllm_python, log_dir=a.sglang_log_dir, concurrency=a.sglang_server_concurrency,
             request_timeout=a.rollout_request_timeout, retries=a.rollout_request_retries,
-            start_timeout=a.engine_start_timeout),
+            start_timeout=a.engine_start_timeout, mem_fraction_static=a.sglang_mem_fraction_static),
         train=TrainConfig(
             num_steps_per_rollout=a.num_steps_per_rollout, global_batch_size=a.global_batch_size,
             micro_batch_size=a.micro_batch_size, lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad,
@@ -198,4 +226,9 @@ def build_configs(args: argparse.Namespace) -> Configs:
             check_weight_update_equal=a.check_weight_update_equal, debug_weight_sync=a.debug_weight_sync,
             deterministic_mode=a.deterministic_mode, debug_determinism=a.debug_determinism,
             true_on_policy_mode=a.true_on_policy_mode),
+        cluster=ClusterConfig(
+            actor_num_nodes=a.actor_num_nodes, actor_num_gpus_per_node=a.actor_num_gpus_per_node,
+            rollout_num_gpus=a.rollout_num_gpus, rollout_num_gpus_per_engine=a.rollout_num_gpus_per_engine,
+            colocate=a.colocate, distributed_timeout_minutes=a.distributed_timeout_minutes,
+            async_rollout=a.async_rollout),
     )

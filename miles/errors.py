@@ -19,6 +19,11 @@ class RunFailed(Exception):
     as `error: <message>` and exits with status 1."""
 
 
+class WorkerCrashed(RunFailed):
+    """A Ray-hosted worker (a trainer rank, an engine) died or failed: the message names which one,
+    its node and its first error. Exit status 1, like any failure of the environment."""
+
+
 class Stopped(BaseException):
     """SIGTERM or SIGINT stopped the run. A BaseException, like KeyboardInterrupt, so that no
     `except Exception` on the way (a reward function's, say) swallows it. Exit status 128 + signal."""

@@ -4,6 +4,11 @@ Every branch lives in a component behind a seam: a `RolloutSource` (live generat
 `Engine`, or a `ReplaySource` reading dumps) makes each rollout's `Sample`s; the `Trainer` turns
 them into optimizer steps; a `WeightTransport` carries the weights back to the engine.
 `--debug-rollout-only` builds no trainer; `--debug-train-only` builds no engine.
+
+Scale-out changes components, not the loop: with `--actor-num-gpus-per-node` the trainer is a
+`TrainerGroup` of Ray-hosted ranks (miles/cluster) and servers are started by engine actors;
+`--colocate` adds turns on the shared device (`c.turns`); `--async` makes the source an
+`AheadRollouts` that generates rollout k+1 while rollout k trains.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ from miles.data.prompts import PromptData, PromptDataset
 from miles.debug.alignment import CheckContext, report, run_checks
 from miles.debug.determinism import HashWriter, enable_deterministic_mode, rollout_hashes
 from miles.debug.print_rollout import log_rollout_samples
-from miles.errors import CheckFailed, Stopped, UsageError
+from miles.errors import CheckFailed, RunFailed, Stopped, UsageError, WorkerCrashed
+from miles.cluster.colocate import Apart, Colocated
+from miles.rollout.ahead import AheadRollouts
 from miles.rollout.engine import Engine
 from miles.rollout.local import LocalEngine
 from miles.rollout.local.true_on_policy import TrainerComputationVerifier
@@ -57,12 +64,14 @@ class Components:
     tokenizer: object
     source: RolloutSource  # where each rollout's samples come from
     engine: Engine | None  # LocalEngine or RemoteEngine; None with --debug-train-only
-    trainer: Trainer | None  # None with --debug-rollout-only
+    trainer: Trainer | None  # or a TrainerGroup of Ray-hosted ranks; None with --debug-rollout-only
     transport: WeightTransport | None  # trainer -> engine; None when either side is absent
     checkpoints: Checkpointer | None  # when to save; None without a trainer
     dataset: PromptDataset | None  # None when replaying dumps
     start_step: int  # steps already done (resume)
     check_context: CheckContext  # what the alignment check needs to know
+    cluster: object | None = None  # the ClusterRun hosting ranks and engines on Ray; None in one process
+    turns: Apart = Apart()  # --colocate: trainer and engines take turns on the device
     done: int = 0  # the last step whose results are written
     in_step: bool = False  # between a step's first update and its results being written
 
@@ -92,6 +101,11 @@ def run_training(cfg: Configs, data: PromptData | None, reward_fn: RewardFn | No
     except Stopped as stop:
         log_stop(c, cfg, stop)
         raise
+    except RunFailed as e:  # an engine request failed: on Ray, say which engine actor died, if one did
+        explained = c.cluster.explain(e) if c is not None and c.cluster is not None else e
+        if explained is not e and not isinstance(e, WorkerCrashed):
+            raise explained from e
+        raise
     finally:
         signals.restore()
         for writer in outputs:
@@ -107,21 +121,28 @@ def train_steps(c: Components, cfg: Configs, signals: StopSignals, metrics_out: 
     dump_meta = dump_metadata(cfg)
     c.done, nonfinite_steps = c.start_step, 0
     for step in range(c.start_step + 1, run.num_rollout + 1):
-        rollout_id = step - 1  # the engine holds the weights after `rollout_id` steps
+        rollout_id = step - 1  # the engine holds the weights after `rollout_id` steps (one fewer with --async)
         step_start = time.perf_counter()
+        c.turns.for_rollout()
         rollout = c.source.generate(rollout_id)  # a signal here stops the run at once
+        if isinstance(c.source, AheadRollouts) and step < run.num_rollout:
+            c.source.start(rollout_id + 1)  # generated while this one trains
         with signals.deferred():  # from here on the step lands whole, or not at all
             c.in_step = True
-            metrics = {**rollout_metrics(rollout.samples), **rollout.stats}
+            metrics = {**rollout_metrics(rollout_id, rollout.samples), **rollout.stats}
             capture_rollout(cfg, rollout_id, rollout, metrics, dump_meta)
             result = train_and_sync(c, cfg, rollout.samples, step, metrics) if c.trainer is not None else None
             nonfinite_steps = nonfinite_steps + 1 if result and result.nonfinite else 0
+            if isinstance(c.turns, Colocated):
+                metrics["perf/colocate_switch_s"] = c.turns.take_seconds()
             metrics["perf/step_time_s"] = time.perf_counter() - step_start
             if hashes_out is not None:
                 hashes_out.write(step, {**rollout_hashes(rollout.samples), **(result.hashes if result else {})})
             metrics_out.write(step, metrics)  # before the checkpoint: a kill between the two redoes the step
             log_step(step, run.num_rollout, metrics)
             c.done, c.in_step = step, False
+            if isinstance(c.source, AheadRollouts):
+                c.source.done_with(rollout_id)
             guard_nonfinite(c, result, step, nonfinite_steps, run.max_nonfinite_steps)
             if step == c.start_step + 1 and debug.alignment_check != "off":
                 log_rollout_samples(rollout_id, rollout.samples, limit=2)  # the guide's first look: coherent?
@@ -154,6 +175,10 @@ def log_stop(c: Components | None, cfg: Configs, stop: Stopped) -> None:
         logger.warning("Stopped by %s while the run was starting; nothing to save", stop.signal_name)
         return
     done, mid_step, saved = c.done, c.in_step, None
+    if isinstance(c.source, AheadRollouts):
+        with contextlib.suppress(Exception):  # its rollout goes with the checkpoint when it is finished
+            c.source.finish()
+    c.turns.for_sync()  # a checkpoint gathers from the trainer's devices
     if c.checkpoints is not None and not mid_step:
         saved = c.checkpoints.save(done) or (c.checkpoints.root / f"step_{done}" if done else None)
     elif c.checkpoints is not None and c.checkpoints.saved_step:
@@ -178,10 +203,16 @@ def capture_rollout(cfg: Configs, rollout_id: int, rollout: RolloutBatch, metric
 
 def train_and_sync(c: Components, cfg: Configs, samples: list[Sample], step: int, metrics: dict) -> TrainResult:
     """One rollout's optimizer steps, then the weights to the engine (if this run has one)."""
+    c.turns.for_training()
     start = time.perf_counter()
     result = c.trainer.train(samples)
     metrics.update(result.metrics)
     metrics["perf/train_tok_s"] = sum(len(s.tokens) for s in samples) / (time.perf_counter() - start)
+    if isinstance(c.source, AheadRollouts):
+        wait = time.perf_counter()
+        c.source.finish()  # never update an engine mid-generation
+        metrics["perf/async_wait_s"] = time.perf_counter() - wait
+    c.turns.for_sync()
     if c.transport is not None:
         sync = sync_weights(c, cfg, step)
         metrics["perf/weight_sync_s"] = sync.seconds
@@ -222,6 +253,11 @@ def build_components(cfg: Configs, data: PromptData | None, reward_fn: RewardFn 
     resume, state = resume_point(cfg, config)
     start_step = state["step"] if state is not None else 0
 
+    cluster = None
+    if cfg.cluster.ranks is not None:
+        from miles.cluster.run import ClusterRun
+
+        cluster = ClusterRun(cfg, closers)
     engine = dataset = None
     if debug.load_debug_rollout_data:
         logger.info("--load-debug-rollout-data %s: replaying captured rollouts, so --debug-train-only is on",
@@ -238,25 +274,32 @@ def build_components(cfg: Configs, data: PromptData | None, reward_fn: RewardFn 
         dataset = PromptDataset(records, shuffle=cfg.data.shuffle, seed=run.seed)
         if state is not None and "sha256" in state.get("data", {}):
             dataset.check_fingerprint(state["data"])
-        engine = build_engine(resume or base, tokenizer, cfg, weight_version=start_step, closers=closers)
+        engine = build_engine(resume or base, tokenizer, cfg, weight_version=start_step, closers=closers,
+                              launch=cluster.launch_engines if cluster is not None and cluster.placement.engines else None)
         name = f"--custom-rm-path {cfg.rollout.custom_rm_path}" if cfg.rollout.custom_rm_path else \
             f"--rm-type {cfg.rollout.rm_type}"
         source = LiveRollout(cfg.rollout, engine, tokenizer, dataset,
                              guarded_reward(reward_fn, name, cfg.rollout.reward_timeout),
                              apply_chat_template=cfg.data.apply_chat_template, seed=run.seed)
+        if cfg.cluster.async_rollout:
+            pending = (state or {}).get("async_pending")
+            source = AheadRollouts(source, pending=pending if pending and pending["rollout_id"] == start_step else None)
 
     trainer = checkpoints = None
     if debug.debug_rollout_only:
         logger.info("--debug-rollout-only: no trainer or reference model built; weight sync and checkpoint "
                     "saving are skipped")
     else:
-        trainer = build_trainer(cfg, resume or base, base, tokenizer)
+        trainer = build_trainer(cfg, resume or base, base, tokenizer) if cluster is None else \
+            cluster.start_trainer(resume or base, base, prepare=_worker_preparation(cfg))
         if engine is None:
             logger.info("--debug-train-only: no rollout engine built; weight sync is skipped")
         in_root = resume is not None and resume.parent.resolve() == save_root(cfg).resolve()
 
         def extra_state() -> dict:
-            return {"config": config, "rng": rng_state(), **({"data": dataset.fingerprint()} if dataset else {})}
+            ahead = source.pending_state(c.done) if isinstance(source, AheadRollouts) else None
+            return {"config": config, "rng": rng_state(), **({"data": dataset.fingerprint()} if dataset else {}),
+                    **({"async_pending": ahead} if ahead else {})}
 
         checkpoints = Checkpointer(trainer.save_fn(tokenizer), root=save_root(cfg), interval=run.save_interval,
                                    keep=run.keep_checkpoints, last_step=run.num_rollout,
@@ -277,7 +320,10 @@ def build_components(cfg: Configs, data: PromptData | None, reward_fn: RewardFn 
     context = CheckContext(vocab_size=_vocab_size(base, tokenizer), precision=model_cfg.precision,
                            has_template=bool(tokenizer.chat_template), applied_template=cfg.data.apply_chat_template,
                            rm_type=rm_type, label_key=cfg.data.label_key)
-    return Components(tokenizer, source, engine, trainer, transport, checkpoints, dataset, start_step, context)
+    turns = Colocated(trainer, engine) if cfg.cluster.colocate and trainer is not None and engine is not None else Apart()
+    c = Components(tokenizer, source, engine, trainer, transport, checkpoints, dataset, start_step, context,
+                   cluster=cluster, turns=turns)
+    return c
 
 
 def resume_point(cfg: Configs, config: dict) -> tuple[Path | None, dict | None]:
@@ -325,10 +371,19 @@ def build_trainer(cfg: Configs, weights: Path, base: Path, tokenizer) -> Trainer
                    precision=cfg.model.precision, record_hashes=cfg.debug.debug_determinism)
 
 
-def build_engine(path, tokenizer, cfg: Configs, *, weight_version: int, closers: contextlib.ExitStack) -> Engine:
+def _worker_preparation(cfg: Configs):
+    """What each trainer rank runs before it loads a model: deterministic mode, when asked."""
+    if not cfg.debug.deterministic_mode:
+        return None
+    return functools.partial(enable_deterministic_mode, cfg.run.seed, cfg.model.device, cfg.model.attention_backend)
+
+
+def build_engine(path, tokenizer, cfg: Configs, *, weight_version: int, closers: contextlib.ExitStack,
+                 launch=None) -> Engine:
     """The rollout engine. Local: bf16 weights in bf16 runs; in true on-policy mode the trainer's
     own numerics instead (fp32 weights under the trainer's autocast) and a check of every rollout.
-    Remote: the servers of --sglang-url / --vllm-url, or ones started on `path`; no model loaded here."""
+    Remote: the servers of --sglang-url / --vllm-url, or ones started on `path` (by `launch`, engine
+    actors on Ray, when given); no model loaded here."""
     model_cfg = cfg.model
     if cfg.engines.backend != "local":
         from miles.rollout.remote import connect  # httpx and the launcher only for remote runs
@@ -336,7 +391,8 @@ def build_engine(path, tokenizer, cfg: Configs, *, weight_version: int, closers:
         return connect(cfg.engines, model_dir=str(path), closers=closers, precision=model_cfg.precision,
                        seed=cfg.run.seed, max_model_len=_max_model_len(path, cfg), vocab_size=_vocab_size(path, tokenizer),
                        eos_token_ids=eos_token_ids_of_dir(path, tokenizer), weight_version=weight_version,
-                       work_dir=Path(cfg.run.output_dir) / "engine_weights")
+                       work_dir=Path(cfg.run.output_dir) / "engine_weights", launch=launch, device=model_cfg.device,
+                       mem_fraction=cfg.engines.mem_fraction_static)
     load = dict(device=model_cfg.device, attention_backend=model_cfg.attention_backend)
     common = dict(pad_token_id=tokenizer.pad_token_id, weight_version=weight_version)
     if not cfg.debug.true_on_policy_mode:
@@ -399,13 +455,16 @@ def dump_metadata(cfg: Configs) -> dict:
     }
 
 
-def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
+def rollout_metrics(rollout_id: int, samples: list[Sample]) -> dict[str, float]:
     n = len(samples)
     metrics = {
         "rollout/reward_mean": sum(s.reward for s in samples) / n,
         "rollout/response_len_mean": sum(s.response_length for s in samples) / n,
         "rollout/truncated_frac": sum(s.status == "truncated" for s in samples) / n,
     }
+    versions = [s.weight_version for s in samples if s.weight_version is not None]
+    if versions:  # optimizer steps the weights that made it were behind the trainer's (1 with --async)
+        metrics["rollout/staleness"] = rollout_id - sum(versions) / len(versions)
     mean_logp = mean_rollout_log_prob(samples)
     if mean_logp is not None:  # the engine's mean log-prob per trained token
         metrics["rollout/rollout_log_probs"] = mean_logp

@@ -1,20 +1,36 @@
 """Rollout through inference servers: `--rollout-backend sglang` against real `miles serve`
-processes, servers that die or answer garbage, and the flags' checks. (vLLM: test_vllm.py.)"""
+processes, servers that die or answer garbage, and the flags' checks; releasing and resuming the
+servers' memory (miles serve for real, vLLM's sleep endpoints faked), the HTTP status on
+EngineError, and the launcher's options and its servers' death with a SIGKILLed parent.
+(A real vLLM: test_vllm.py.)"""
 
+import contextlib
 import gc
+import inspect
 import json
+import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
 
 from miles.cli.main import main
-from miles.rollout.remote.launcher import ServerFleet, free_port
+from miles.config import SamplingParams
+from miles.rollout.engine import Engine
+from miles.rollout.remote import RemoteEngine
+from miles.rollout.remote.http import EngineError, ServerClient
+from miles.rollout.remote.launcher import ServerFleet, free_port, host_cores, server_command
+from miles.rollout.remote.sglang import SGLangServer
+from miles.rollout.remote.vllm import VLLMServer
 from test_reliability import DET, out_dir, start, steps_of, wait_for
 from test_train import metrics, run
 
@@ -167,15 +183,24 @@ def garbage_server():
             return HTMLResponse(answer)
         return answer * len(body["input_ids"])
 
+    with serving(app) as url:
+        yield app, url
+
+
+@contextlib.contextmanager
+def serving(app: FastAPI):
+    """`app` under uvicorn on a free loopback port, in a thread; yields its URL."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.01)
-    yield app, f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join()
 
 
 @pytest.mark.parametrize("kind", sorted(GARBAGE))
@@ -231,3 +256,186 @@ def test_a_server_that_fails_to_start_names_its_log(tiny_args, tmp_path, capsys)
     rc = main(argv)
     err = capsys.readouterr().err
     assert rc in (1, 2) and err.strip().splitlines()[-1].startswith("error: "), err
+
+
+# -- memory release and resume (colocate), error statuses, the launcher's options -----------------
+
+
+def test_remote_engine_has_every_engine_method_with_its_signature():
+    for name, declared in inspect.getmembers(Engine, inspect.isfunction):
+        if not name.startswith("_"):
+            actual = inspect.signature(getattr(RemoteEngine, name))
+            assert list(actual.parameters) == list(inspect.signature(declared).parameters), name
+
+
+def sglang_engine(url: str) -> RemoteEngine:
+    client = ServerClient(url, flag="--sglang-url", timeout=60, retries=1)
+    return RemoteEngine([SGLangServer(client, eos_token_ids=[3], vocab_size=100)], concurrency=4)
+
+
+def test_a_released_miles_serve_holds_generation_until_the_engine_resumes_it(served):
+    url, _ = served
+    engine = sglang_engine(url)
+    sampling = SamplingParams(max_new_tokens=4, temperature=1.0, top_p=1.0)
+    engine.release_memory()
+    pool = ThreadPoolExecutor(1)
+    try:
+        assert httpx.get(url + "/get_server_info").json()["memory_released"] == ["cuda_graph", "kv_cache", "weights"]
+        held = pool.submit(engine.generate, [[10, 11], [12]], sampling, [1, 2])
+        time.sleep(1.0)
+        assert not held.done()
+    finally:
+        engine.resume_memory()
+        pool.shutdown(wait=False)
+    assert httpx.get(url + "/get_server_info").json()["memory_released"] == []
+    assert [len(o.token_ids) > 0 for o in held.result(timeout=60)] == [True, True]
+
+
+def fake_vllm(sleep_mode: bool | None) -> FastAPI:
+    """vLLM's dev endpoints as far as release/resume use them; sleep_mode None: no /server_info (no dev mode)."""
+    app = FastAPI()
+    app.state.calls = []
+
+    if sleep_mode is not None:
+        @app.get("/server_info")
+        def server_info(config_format: str = "text"):
+            return {"vllm_config": {"model_config": {"enable_sleep_mode": sleep_mode},
+                                    "device_config": {"device": "cuda" if sleep_mode else "cpu"}}}
+
+    @app.post("/sleep")
+    def sleep(level: int = 1):
+        app.state.calls.append(f"sleep level={level}")
+        return {"status": "sleeping", "level": level}
+
+    @app.post("/wake_up")
+    def wake_up():
+        app.state.calls.append("wake_up")
+        return {"status": "awake", "tags": None}
+
+    return app
+
+
+@contextlib.contextmanager
+def miles_log():
+    """The messages the `miles` logger emits meanwhile (whatever handlers a run before left on it)."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    log = logging.getLogger("miles")
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+@pytest.mark.parametrize("sleep_mode", [True, False, None], ids=["sleep-mode", "cpu", "no-dev-mode"])
+def test_vllm_release_sleeps_and_resume_wakes_only_with_sleep_mode(sleep_mode):
+    app = fake_vllm(sleep_mode)
+    with serving(app) as url, miles_log() as lines:
+        client = ServerClient(url, flag="--vllm-url", timeout=10, retries=1)
+        engine = RemoteEngine([VLLMServer(client, eos_token_ids=[3], vocab_size=100)], concurrency=1)
+        for _ in range(2):
+            engine.release_memory()
+            engine.resume_memory()
+    assert app.state.calls == (["sleep level=1", "wake_up"] * 2 if sleep_mode else [])
+    no_ops = [line for line in lines if "releasing and resuming its memory are no-ops" in line]
+    assert len(no_ops) == (0 if sleep_mode else 1), no_ops  # said once, not at every step
+
+
+def test_engine_errors_carry_the_http_status_and_a_404_checksum_means_none(garbage_server):
+    app, url = garbage_server
+    server = SGLangServer(ServerClient(url, flag="--sglang-url", timeout=10, retries=2), eos_token_ids=[3],
+                          vocab_size=100)
+    assert server.weights_checksum() is None  # the fake has no /weights_checksum: 404, as SGLang
+    app.state.answer = 400
+    with pytest.raises(EngineError) as refused:
+        server.prompt_log_probs([10, 11])
+    app.state.answer = 503
+    with pytest.raises(EngineError) as failing:
+        server.prompt_log_probs([10, 11])
+    down = ServerClient(f"http://127.0.0.1:{free_port()}", flag="--sglang-url", timeout=10, retries=1)
+    with pytest.raises(EngineError) as unreachable:
+        down.request("GET", "/health_generate")
+    assert (refused.value.status, failing.value.status, unreachable.value.status) == (400, 503, None)
+
+
+def test_a_refusal_that_mentions_404_is_not_a_missing_checksum_endpoint():
+    app = FastAPI()
+
+    @app.get("/weights_checksum")
+    def checksum():
+        from fastapi.responses import JSONResponse
+        return JSONResponse({"error": {"message": "upstream was refused with 404"}}, status_code=400)
+
+    with serving(app) as url:
+        server = SGLangServer(ServerClient(url, flag="--sglang-url", timeout=10, retries=1), eos_token_ids=[3],
+                              vocab_size=100)
+        with pytest.raises(EngineError) as e:
+            server.weights_checksum()
+    assert e.value.status == 400
+
+
+def command(backend: str, device: str, **kw) -> list[str]:
+    return server_command(backend, "/m", 1234, precision="fp32", seed=0, max_model_len=64, python=sys.executable,
+                          weight_version=0, device=device, **kw)[0]
+
+
+def flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def test_server_commands_carry_threads_on_a_cpu_and_the_memory_fraction_and_sleep_mode_on_a_gpu():
+    cpu = command("sglang", "cpu", cpu_threads=3, mem_fraction=0.4)
+    assert (flag(cpu, "--device"), flag(cpu, "--cpu-threads"), flag(cpu, "--mem-fraction-static")) == ("cpu", "3", None)
+    gpu = command("sglang", "cuda", cpu_threads=3, mem_fraction=0.4)
+    assert (flag(gpu, "--device"), flag(gpu, "--cpu-threads"), flag(gpu, "--mem-fraction-static")) == ("cuda", None,
+                                                                                                        "0.4")
+    assert flag(command("sglang", "cuda"), "--mem-fraction-static") is None  # None: no cap
+    vllm_gpu, vllm_cpu = command("vllm", "cuda", mem_fraction=0.4), command("vllm", "cpu", mem_fraction=0.4)
+    assert "--enable-sleep-mode" in vllm_gpu and flag(vllm_gpu, "--gpu-memory-utilization") == "0.4"
+    assert "--enable-sleep-mode" not in vllm_cpu and "--gpu-memory-utilization" not in vllm_cpu
+
+
+FLEET_IN_A_CHILD = """
+import json, sys, time
+from miles.rollout.remote.launcher import ServerFleet
+fleet = ServerFleet("sglang", sys.argv[1], 2, log_dir=sys.argv[2], start_timeout=120, precision="fp32", seed=0,
+                    max_model_len=256, python=None, weight_version=0, device="cpu")
+urls = fleet.start()
+print(json.dumps({"urls": urls, "pids": [s.process.pid for s in fleet.servers]}), flush=True)
+time.sleep(600)
+"""
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a reparented child waits for init to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_a_fleet_shares_the_cores_and_its_servers_die_with_a_sigkilled_parent(tiny_model, tmp_path):
+    parent = subprocess.Popen([sys.executable, "-c", FLEET_IN_A_CHILD, str(tiny_model), str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        started = json.loads(parent.stdout.readline())
+        pids = started["pids"]
+        threads = [httpx.get(u + "/get_server_info", timeout=30).json()["cpu_threads"] for u in started["urls"]]
+        assert threads == [max(1, host_cores() // 2)] * 2
+        parent.send_signal(signal.SIGKILL)  # no stop(), no atexit: only the kernel can tell the servers
+        parent.wait()
+        deadline = time.monotonic() + 15
+        while any(running(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pids if running(p)], "servers outlived their SIGKILLed parent"
+    finally:
+        parent.kill()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)

@@ -10,7 +10,7 @@ import torch
 
 import miles
 from miles.bridge.rollout_dump import save_rollout
-from miles.bridge.transports import InProcessTransport, WeightTransport
+from miles.bridge.transports import InProcessTransport, ModelWeights, WeightTransport
 from miles.bridge.types import RolloutBatch, TrainResult
 from miles.config import RolloutConfig, SamplingParams, TrainConfig
 from miles.data.prompts import PromptDataset, load_prompt_data
@@ -65,7 +65,7 @@ def test_in_process_transport_sends_every_parameter(tiny_model):
         for p in model.parameters():
             p.add_(0.5)
     transport: WeightTransport = InProcessTransport(engine)
-    stats = transport.send(model, 7)
+    stats = transport.send(ModelWeights(model), 7)
     params = list(model.named_parameters())
     assert (stats.step, stats.tensors) == (7, len(params))
     assert stats.bytes == sum(p.numel() * 4 for _, p in params)

@@ -1,6 +1,7 @@
 """`miles serve` as a real subprocess on the tiny model: every endpoint's shape against SGLang's,
 determinism against LocalEngine in process, continuous batching, pause modes, weight updates from
-disk, the API key, and malformed requests (hand-picked and fuzzed) that get a 4xx while the server
+disk, memory release and resume (and --mem-fraction-static; on CUDA with the `gpu` marker), the
+API key, and malformed requests (hand-picked and fuzzed) that get a 4xx while the server
 keeps serving. One server per purpose, shared by the module: `server` (open, loopback) for
 generation, `keyed` (--api-key, small limits) for auth, limits and weight updates."""
 
@@ -84,8 +85,9 @@ def keyed(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def small(tiny_model, tmp_path_factory):
-    """A 40-token KV budget: fuzzed requests that pass validation stay short."""
-    s = ServeProcess("--hf-checkpoint", str(tiny_model), "--max-total-tokens", "40",
+    """A 40-token KV budget: fuzzed requests that pass validation stay short. (--mem-fraction-static:
+    logged as ignored on a CPU.)"""
+    s = ServeProcess("--hf-checkpoint", str(tiny_model), "--max-total-tokens", "40", "--mem-fraction-static", "0.5",
                      log=tmp_path_factory.mktemp("serve") / "small.log")
     yield s
     s.stop()
@@ -619,7 +621,8 @@ GUARDED = [("POST", "/generate", {"input_ids": [10], "sampling_params": {"max_ne
            ("GET", "/get_server_info", None), ("GET", "/flush_cache", None), ("POST", "/flush_cache", None),
            ("GET", "/weights_checksum", None), ("POST", "/update_weights_from_disk", {"model_path": "/nonexistent"}),
            ("POST", "/pause_generation", {"mode": "in_place"}), ("POST", "/continue_generation", {}),
-           ("POST", "/abort_request", {"rid": "nothing"})]
+           ("POST", "/abort_request", {"rid": "nothing"}), ("POST", "/release_memory_occupation", {"tags": ["bogus"]}),
+           ("POST", "/resume_memory_occupation", {})]
 
 
 @pytest.mark.parametrize("method, path, body", GUARDED, ids=[f"{m} {p}" for m, p, _ in GUARDED])
@@ -729,6 +732,180 @@ def test_a_weight_update_waits_for_running_requests_unless_paused(keyed, tiny_mo
     assert frozen.result(timeout=60)["meta_info"]["weight_version"] == "9"
 
 
+# -- memory: release and resume (the colocate choreography) --------------------------------------
+
+ALL_TAGS = ["weights", "kv_cache", "cuda_graph"]
+GREEDY = {"input_ids": [10, 11, 12], "return_logprob": True, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+
+
+def release(s: ServeProcess, body=None, key=None) -> httpx.Response:
+    return post(s, "/release_memory_occupation", {} if body is None else body, key=key)
+
+
+def resume(s: ServeProcess, body=None, key=None) -> httpx.Response:
+    return post(s, "/resume_memory_occupation", {} if body is None else body, key=key)
+
+
+def test_released_memory_holds_new_requests_until_every_tag_is_resumed(server):
+    before = gen(server, GREEDY)
+    r = release(server)
+    try:
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        assert answer["success"] is True and answer["tags"] == ALL_TAGS
+        assert answer["released_tags"] == sorted(ALL_TAGS) == info(server)["memory_released"]
+        assert (answer["gpu_memory"] is None) == (not torch.cuda.is_available())  # the server's device: auto
+        assert get(server, "/health").status_code == 200 and get(server, "/health_generate").status_code == 503
+        waiting = in_background(gen, server, GREEDY)
+        wait_until(lambda: info(server)["num_waiting_reqs"] == 1)
+        assert release(server).json()["released_tags"] == sorted(ALL_TAGS)  # twice: no change
+        assert resume(server, {"tags": ["kv_cache"]}).json()["released_tags"] == ["cuda_graph", "weights"]
+        made = info(server)["generated_tokens"]
+        time.sleep(0.3)
+        assert not waiting.done() and info(server)["generated_tokens"] == made  # still held: weights released
+    finally:
+        resumed = resume(server)
+    assert resumed.status_code == 200 and resumed.json()["released_tags"] == []
+    assert waiting.result(timeout=30)["output_ids"] == before["output_ids"]
+    assert get(server, "/health_generate").status_code == 200
+
+
+def test_a_release_while_sequences_run_is_refused_and_changes_nothing(server):
+    long = start_running(server, long_body("running-at-release"))
+    try:
+        r = release(server)
+        assert r.status_code == 400 and "needs an idle engine, but 1 sequence(s) are running" in \
+            r.json()["error"]["message"]
+        assert info(server)["memory_released"] == [] and not long.done()
+    finally:
+        post(server, "/abort_request", {"rid": "running-at-release"})
+        resume(server)
+    assert long.result(timeout=30)["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+@pytest.mark.parametrize("body", [{"tags": ["gpu"]}, {"tags": "weights"}, {"tags": [1]}, [1]])
+def test_unknown_memory_tags_are_400(server, body):
+    for path in ("/release_memory_occupation", "/resume_memory_occupation"):
+        r = post(server, path, body)
+        assert r.status_code == 400 and r.json()["error"]["message"], r.text
+    assert info(server)["memory_released"] == []
+
+
+def test_weights_updated_while_released_are_served_after_the_resume(keyed, tiny_model, tmp_path):
+    before = gen(keyed, GREEDY, KEY)
+    new = perturbed_checkpoint(tiny_model, tmp_path / "while-released")
+    assert release(keyed, {"tags": ["weights"]}, key=KEY).json()["released_tags"] == ["weights"]
+    try:
+        r = post(keyed, "/update_weights_from_disk", {"model_path": str(new), "weight_version": "11"}, key=KEY)
+        assert r.status_code == 200 and r.json()["success"] is True, r.text
+    finally:
+        assert resume(keyed, key=KEY).json()["released_tags"] == []
+    after = gen(keyed, GREEDY, KEY)
+    assert after["meta_info"]["weight_version"] == "11"
+    assert [t[0] for t in after["meta_info"]["output_token_logprobs"]] != \
+        [t[0] for t in before["meta_info"]["output_token_logprobs"]]
+    from safetensors.torch import load_file
+
+    sums = get(keyed, "/weights_checksum", key=KEY).json()["tensors"]  # in the server's dtype (bf16 on a GPU)
+    assert {n: v["sha256"] for n, v in sums.items()} == {
+        n: tensor_bytes_sha256(t.to(getattr(torch, sums[n]["dtype"])))
+        for n, t in load_file(str(new / "model.safetensors")).items()}
+
+
+def test_local_engine_release_refuses_generation_and_resume_brings_updated_weights(engine, tiny_model):
+    local, tok = engine
+    sampling = SamplingParams(max_new_tokens=6, temperature=0.0, top_p=1.0)
+    prompt = [tok("hi")["input_ids"]]
+    original = {n: p.detach().clone() for n, p in local.model.named_parameters()}
+    try:
+        local.release_memory()
+        with pytest.raises(RuntimeError, match="memory is released"):
+            local.generate(prompt, sampling, [1])
+        local.release_memory()  # twice: no change
+        moved = load_causal_lm(tiny_model, device="cpu", attention_backend="sdpa")
+        with torch.no_grad():
+            moved.lm_head.weight.mul_(-1)
+        local.update_weights(moved.named_parameters(), weight_version=3)
+        local.resume_memory()
+        out = local.generate(prompt, sampling, [1])[0]
+        fresh = LocalEngine(moved, eos_token_ids=local.eos_token_ids, pad_token_id=tok.pad_token_id)
+        assert out.weight_version == 3 and out.token_ids == fresh.generate(prompt, sampling, [1])[0].token_ids
+        assert local.weights_checksum() == fresh.weights_checksum()
+    finally:
+        local.resume_memory()
+        local.update_weights(original.items(), weight_version=0)
+
+
+@pytest.fixture(scope="module")
+def wide_model(tiny_model, tmp_path_factory) -> Path:
+    """The tiny model at hidden size 1024 (32M parameters): enough memory to see it move."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from miles.testing.tiny import build_tokenizer
+
+    path = tmp_path_factory.mktemp("wide")
+    config = LlamaConfig.from_pretrained(tiny_model)
+    config.hidden_size, config.intermediate_size, config.head_dim = 1024, 4096, 128
+    config.num_attention_heads, config.num_key_value_heads = 8, 8
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+def bytes_of(model_dir: Path, element_size: int) -> int:
+    model = load_causal_lm(model_dir, device="cpu", attention_backend="sdpa")
+    return sum(p.numel() for p in model.parameters()) * element_size
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_local_engine_release_moves_the_weights_off_and_returns_the_cache(wide_model):
+    tok = load_tokenizer(wide_model)
+    model = load_causal_lm(wide_model, device="cuda", attention_backend="sdpa")
+    local = LocalEngine(model, eos_token_ids=eos_token_ids(model, tok), pad_token_id=tok.pad_token_id)
+    prompt, sampling = [tok("hi")["input_ids"]], SamplingParams(max_new_tokens=6, temperature=0.0, top_p=1.0)
+    before = local.generate(prompt, sampling, [1])[0]
+    params = dict(model.named_parameters())
+    weights = sum(p.numel() * p.element_size() for p in params.values())
+    held = torch.cuda.memory_allocated()
+    local.release_memory()
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    assert torch.cuda.memory_allocated() <= held - weights
+    assert torch.cuda.memory_reserved() <= torch.cuda.memory_allocated() + (8 << 20)  # the cache went back
+    local.resume_memory()
+    assert all(p is params[n] and p.is_cuda for n, p in model.named_parameters())  # the same Parameters, back
+    assert local.generate(prompt, sampling, [1])[0].token_ids == before.token_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_a_release_gives_the_memory_back_and_the_fraction_caps_the_server(wide_model, tmp_path):
+    s = ServeProcess("--hf-checkpoint", str(wide_model), "--device", "cuda", "--mem-fraction-static", "0.5",
+                     log=tmp_path / "cuda.log")
+    try:
+        before = gen(s, GREEDY)
+        memory = release(s).json()["gpu_memory"]
+        held, freed = memory["before"], memory["after"]
+        weights = bytes_of(wide_model, 2)  # bf16 on a GPU
+        assert freed["allocated"] <= held["allocated"] - weights
+        assert freed["reserved"] <= freed["allocated"] + (8 << 20) and freed["free"] >= held["free"] + weights
+        back = resume(s).json()["gpu_memory"]["after"]
+        assert back["allocated"] >= freed["allocated"] + weights
+        assert gen(s, GREEDY)["output_ids"] == before["output_ids"]
+        assert "--mem-fraction-static 0.5: this server takes at most" in (tmp_path / "cuda.log").read_text()
+    finally:
+        s.stop()
+    try:  # 1e-6 of the GPU (~0.14 MB): the weights do not fit
+        capped = ServeProcess("--hf-checkpoint", str(wide_model), "--device", "cuda", "--mem-fraction-static", "1e-6",
+                              log=tmp_path / "capped.log")
+    except RuntimeError as e:
+        assert "did not start" in str(e) and "out of memory" in (tmp_path / "capped.log").read_text().lower()
+    else:
+        capped.stop()
+        pytest.fail("a server capped at 1e-6 of the GPU loaded its weights")
+
+
 # -- the command line ----------------------------------------------------------------------------
 
 
@@ -745,6 +922,21 @@ def test_a_port_in_use_is_a_usage_error(server):
     r = subprocess.run([sys.executable, "-m", "miles", "serve", "--port", port], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and r.stderr.startswith(f"error: --host 127.0.0.1 --port {port}: cannot bind")
+
+
+@pytest.mark.parametrize("fraction", ["0", "1.5", "-0.1", "nan"])
+def test_a_mem_fraction_outside_0_1_is_one_error_line(fraction):
+    r = subprocess.run([sys.executable, "-m", "miles", "serve", "--mem-fraction-static", fraction, "--port", "0",
+                        "--hf-checkpoint", "/nonexistent"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [f"error: --mem-fraction-static {float(fraction):g}: must be in (0, 1], "
+                                             "a fraction of the GPU's memory"]
+
+
+def test_a_mem_fraction_is_logged_as_ignored_on_a_cpu(small):
+    line = ("--mem-fraction-static 0.5: this server takes at most" if torch.cuda.is_available() else
+            "--mem-fraction-static 0.5 applies to CUDA devices only; ignored on cpu")
+    assert line in small.log.read_text()
 
 
 def test_sigterm_aborts_in_flight_requests_and_exits_promptly(tiny_model, tmp_path):

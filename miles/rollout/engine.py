@@ -1,7 +1,13 @@
 """The `Engine` seam: what the rollout side asks of an inference engine, and what it gets back.
 
 `miles.rollout.local.LocalEngine` (miles' own engine, in process) is the reference
-implementation; engines behind HTTP servers implement the same four methods.
+implementation; engines behind HTTP servers (`miles.rollout.remote.RemoteEngine`) implement the
+same methods.
+
+Memory: an engine that shares its device with the trainer (colocated) gives the device memory
+back while the trainer runs (`release_memory`) and takes it again before the next rollout
+(`resume_memory`). Send weights after the resume: LocalEngine and `miles serve` also take them
+while released (they are on the device after the resume), SGLang and vLLM servers do not.
 
 Log-probs: an engine reports, for each sampled token, its log-probability under the
 temperature-scaled distribution before top-p truncation — the same quantity the trainer
@@ -47,4 +53,15 @@ class Engine(Protocol):
 
     def check_buffers(self) -> list[str]:
         """Problems with the engine's non-parameter buffers (dropped, zeroed, changed); empty when fine."""
+        ...
+
+    def release_memory(self) -> None:
+        """Gives the engine's accelerator memory back: weights off the device, KV caches freed, the
+        allocator's cache returned to the driver. Generation waits (servers) or refuses (LocalEngine)
+        until resume_memory. Frees nothing on a CPU, where only that state changes (or, on a vLLM
+        without sleep mode, nothing: a logged no-op)."""
+        ...
+
+    def resume_memory(self) -> None:
+        """Takes the memory again: the weights back on the device, generation possible again."""
         ...

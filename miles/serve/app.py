@@ -9,7 +9,13 @@ models, so that every malformed request gets SGLang's 400 `{"error": {"message":
 Endpoints: POST|PUT /generate; GET /health, /health_generate; GET /model_info (/get_model_info);
 GET /get_weight_version (/weight_version); GET /server_info (/get_server_info); GET|POST
 /flush_cache; POST /update_weights_from_disk, /pause_generation, /continue_generation,
-/abort_request; GET /weights_checksum (miles' own: per-tensor dtype and sha256).
+/abort_request; GET|POST /release_memory_occupation, /resume_memory_occupation (`{"tags": [...]}`,
+absent or empty: all); GET /weights_checksum (miles' own: per-tensor dtype and sha256).
+
+The memory endpoints answer `{"success": true, "message", "tags", "released_tags", "gpu_memory"}`
+(SGLang's answer nothing, `null`; its clients read no body): `gpu_memory` is the device's
+bytes before and after ({allocated, reserved, free, total}), null on a CPU. A release while
+sequences run is a 400; requests that arrive while released wait for the resume.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from starlette.datastructures import Headers
 
 from miles import __version__
 from miles.serve.protocol import BadRequest, ModelLimits, error_body, generate_response, parse_generate
-from miles.serve.scheduler import PAUSE_MODES, Scheduler, WeightUpdate
+from miles.serve.scheduler import MEMORY_TAGS, PAUSE_MODES, MemoryChange, Scheduler, WeightUpdate
 from miles.serve.types import RowSampling, SequenceRequest
 from miles.serve.weights import ParameterSpecs, WeightLoadError, load_checked
 
@@ -76,6 +82,22 @@ def _object(body, endpoint: str) -> dict:
     if not isinstance(body, dict):
         raise BadRequest(f"{endpoint} takes a JSON object, got {type(body).__name__}")
     return body
+
+
+def _memory_tags(body: dict) -> tuple[str, ...]:
+    """SGLang's `tags`: null or empty means every tag."""
+    tags = body.get("tags")
+    if tags is None or tags == []:
+        return MEMORY_TAGS
+    if not isinstance(tags, list) or not all(isinstance(t, str) and t in MEMORY_TAGS for t in tags):
+        raise BadRequest(f"tags must be a list of {', '.join(MEMORY_TAGS)} (or null: all), got {str(tags)[:80]}")
+    return tuple(dict.fromkeys(tags))
+
+
+def _memory_answer(change: MemoryChange, message: str) -> dict:
+    gpu = None if change.before is None else {"before": change.before, "after": change.after}
+    return {"success": True, "message": message, "tags": list(change.tags), "released_tags": list(change.released),
+            "gpu_memory": gpu}
 
 
 class ApiKeyCheck:
@@ -145,7 +167,7 @@ def build_app(state: ServeState) -> FastAPI:
     @app.get("/health_generate")
     async def health_generate():
         """200 once the engine makes a token: recent traffic counts, else a 1-token greedy probe."""
-        if not scheduler.alive or scheduler.paused is not None:
+        if not scheduler.alive or scheduler.paused is not None or scheduler.released:
             return Response(status_code=503)
         if time.monotonic() - scheduler.last_progress < 1.0:
             return Response(status_code=200)
@@ -220,6 +242,21 @@ def build_app(state: ServeState) -> FastAPI:
             raise BadRequest("abort_request takes {\"rid\": str, \"abort_all\": bool}")
         await asyncio.wrap_future(scheduler.abort(rid, abort_all))
         return Response(status_code=200)
+
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory_occupation(request: Request):
+        tags = _memory_tags(_object(await _json(request, empty_ok=True), "/release_memory_occupation"))
+        try:
+            change = await asyncio.wrap_future(scheduler.release_memory(tags))
+        except ValueError as e:  # sequences are running
+            raise BadRequest(str(e)) from None
+        return _memory_answer(change, f"Memory released: {', '.join(tags)}.")
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory_occupation(request: Request):
+        tags = _memory_tags(_object(await _json(request, empty_ok=True), "/resume_memory_occupation"))
+        change = await asyncio.wrap_future(scheduler.resume_memory(tags))
+        return _memory_answer(change, f"Memory resumed: {', '.join(tags)}.")
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):

@@ -35,6 +35,10 @@ def register(commands) -> None:
     g.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                    help="torch's intra-op threads (default: torch's, one per core); several servers on one host "
                         "run far faster with cores / servers each than all spinning on every core")
+    g.add_argument("--mem-fraction-static", type=float, default=None, metavar="F",
+                   help="on CUDA, the most of the GPU's memory this server may take, as a fraction in (0, 1] "
+                        "(torch.cuda.set_per_process_memory_fraction; SGLang's flag name): room for a colocated "
+                        "trainer. No effect on a CPU (default: no cap)")
     g.add_argument("--weight-version", default="default",
                    help="meta_info.weight_version until the first weight update (default: default, as SGLang)")
     g = p.add_argument_group("server")
@@ -74,6 +78,9 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError("--api-key must not be empty")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: must be in [0, 65535]")
+    fraction = args.mem_fraction_static
+    if fraction is not None and not 0 < fraction <= 1:  # also NaN
+        raise UsageError(f"--mem-fraction-static {fraction:g}: must be in (0, 1], a fraction of the GPU's memory")
     for flag in ("max_running_requests", "max_total_tokens", "max_queued_requests", "cpu_threads"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")

@@ -21,6 +21,14 @@ While paused nothing is admitted: new requests wait. A weight update that arrive
 sequences run and the server is not paused waits for the running batch to drain (every sequence
 is made by one weight version; new requests wait), as SGLang's model-update lock makes it wait;
 while paused it applies at once, and sequences frozen or retracted continue on the new weights.
+
+Memory (SGLang's release/resume_memory_occupation, tags `weights`, `kv_cache`, `cuda_graph`):
+a release needs no running rows (their KV would be lost; SGLang asserts an idle scheduler) and
+frees what its tags name: `kv_cache` the running batch's cache, `weights` the model to the CPU
+(LocalEngine.release_memory), then the allocator's cached blocks go back to the driver. While
+any tag is released nothing is admitted: new requests wait, as while paused, until every tag is
+resumed. A weight update meanwhile is copied into the CPU weights at once and is what the
+device holds after the resume. Releasing or resuming a tag twice changes nothing.
 """
 
 from __future__ import annotations
@@ -42,10 +50,12 @@ from miles.rollout.local import LocalEngine
 from miles.rollout.sampling import sample_tokens, stream_uniforms
 from miles.serve.batch import RunningBatch
 from miles.serve.types import Finish, SequenceRequest, SequenceResult
+from miles.utils import device_memory
 
 logger = logging.getLogger("miles")
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's GPU_MEMORY_ALL_TYPES; no CUDA graphs here
 ABORTED = "Aborted"
 
 
@@ -88,6 +98,17 @@ class WeightUpdate:
     abort_all: bool = False
 
 
+@dataclass(frozen=True)
+class MemoryChange:
+    """What a release or resume did: the tags asked for, every tag released after it, and the
+    device's memory around it (device_memory.snapshot; None on a CPU)."""
+
+    tags: tuple[str, ...]
+    released: tuple[str, ...]
+    before: dict[str, int] | None
+    after: dict[str, int] | None
+
+
 @dataclass
 class Counters:
     """What /get_server_info reports about the scheduler."""
@@ -121,6 +142,7 @@ class Scheduler:
         self.counters = Counters()
         self.last_progress = time.monotonic()  # when an iteration last made tokens
         self.paused: str | None = None  # the pause mode, None when running
+        self.released: frozenset[str] = frozenset()  # MEMORY_TAGS given back; empty when serving
         self._rows: list[_Sequence] = []  # the running batch's rows, in its row order
         self._next_tokens = torch.zeros(0, dtype=torch.long)  # (B,) sampled, not yet fed
         self._waiting: deque[_Sequence] = deque()
@@ -164,6 +186,14 @@ class Scheduler:
     def resume(self) -> Future:
         return self._call(self._resume)
 
+    def release_memory(self, tags: tuple[str, ...]) -> Future:
+        """Resolves to a MemoryChange; raises ValueError while sequences are running."""
+        return self._call(lambda: self._release_memory(tags))
+
+    def resume_memory(self, tags: tuple[str, ...]) -> Future:
+        """Resolves to a MemoryChange."""
+        return self._call(lambda: self._resume_memory(tags))
+
     def update_weights(self, update: WeightUpdate) -> Future:
         """Resolves to the number of sequences paused (frozen or retracted) when the weights changed."""
         future = Future()
@@ -180,7 +210,8 @@ class Scheduler:
     def snapshot(self) -> dict:
         """Counters and queue sizes (a racy read, for monitoring)."""
         return {**vars(self.counters), "num_running_reqs": len(self._rows), "num_waiting_reqs": len(self._waiting),
-                "paused": self.paused, "kv_cache_bytes": self.batch.kv_bytes(), "batch_width": self.batch.width,
+                "paused": self.paused, "memory_released": sorted(self.released),
+                "kv_cache_bytes": self.batch.kv_bytes(), "batch_width": self.batch.width,
                 "weight_version": self.weight_version, "max_running_requests": self.limits.max_running_requests,
                 "max_total_num_tokens": self.limits.max_total_tokens,
                 "max_queued_requests": self.limits.max_queued_requests}
@@ -216,8 +247,9 @@ class Scheduler:
             raise
 
     def _has_work(self) -> bool:
-        """Rows to decode, or sequences to admit (none while paused, none while an update waits)."""
-        if self.paused is not None:
+        """Rows to decode, or sequences to admit (none while paused or released, none while an
+        update waits)."""
+        if self.paused is not None or self.released:
             return False
         return bool(self._rows) or (bool(self._waiting) and self._update is None)
 
@@ -461,6 +493,35 @@ class Scheduler:
     def _resume(self) -> None:
         self.paused = None
         logger.info("miles serve: generation continued")
+
+    def _release_memory(self, tags: tuple[str, ...]) -> MemoryChange:
+        if self._rows:
+            raise ValueError(f"release_memory_occupation needs an idle engine, but {len(self._rows)} sequence(s) "
+                             "are running: pause with mode abort or retract, or let them finish, first")
+        device = self.engine.device
+        before = device_memory.snapshot(device)
+        if "kv_cache" in tags:
+            self.batch.clear()
+        if "weights" in tags:
+            self.engine.release_memory()
+        device_memory.give_back(device)
+        self.released |= frozenset(tags)
+        change = MemoryChange(tags, tuple(sorted(self.released)), before, device_memory.snapshot(device))
+        logger.info("miles serve: memory released (%s), %s; requests wait until /resume_memory_occupation",
+                    ", ".join(tags), device_memory.describe(change.before, change.after))
+        return change
+
+    def _resume_memory(self, tags: tuple[str, ...]) -> MemoryChange:
+        device = self.engine.device
+        before = device_memory.snapshot(device)
+        if "weights" in tags:
+            self.engine.resume_memory()  # with every weight update taken while released
+        self.released -= frozenset(tags)
+        change = MemoryChange(tags, tuple(sorted(self.released)), before, device_memory.snapshot(device))
+        state = f"still released: {', '.join(change.released)}" if change.released else "serving again"
+        logger.info("miles serve: memory resumed (%s), %s; %s", ", ".join(tags),
+                    device_memory.describe(change.before, change.after), state)
+        return change
 
     def _request_update(self, update: WeightUpdate, future: Future) -> None:
         if self._update is not None:

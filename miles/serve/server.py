@@ -3,8 +3,10 @@ under uvicorn.
 
 The model is loaded as `miles train` loads its engine's (miles.utils.models: the demo model by
 default, `Loaded checkpoint from` logged), in the precision asked for, and wrapped in a
-LocalEngine, whose `update_weights` and `weights_checksum` the weight endpoints use; the
-scheduler thread decodes with the same model.
+LocalEngine, whose `update_weights` and `weights_checksum` the weight endpoints use and whose
+`release_memory` / `resume_memory` the memory endpoints use; the scheduler thread decodes with
+the same model. `--mem-fraction-static F` caps this process's CUDA allocations at F of the GPU
+before the model loads (on a CPU it is logged and ignored).
 """
 
 from __future__ import annotations
@@ -48,6 +50,22 @@ def _device_and_dtype(args: argparse.Namespace):
     return device, precision, torch.bfloat16 if precision == "bf16" else torch.float32
 
 
+def _cap_memory(fraction: float | None, device: str) -> None:
+    """torch.cuda.set_per_process_memory_fraction: allocations past `fraction` of the GPU raise OOM."""
+    if fraction is None:
+        return
+    if device != "cuda":
+        logger.info("miles serve: --mem-fraction-static %g applies to CUDA devices only; ignored on %s", fraction,
+                    device)
+        return
+    import torch
+
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    logger.info("miles serve: --mem-fraction-static %g: this server takes at most %.1f GiB of the GPU's %.1f GiB",
+                fraction, fraction * total / (1 << 30), total / (1 << 30))
+
+
 def build_state(args: argparse.Namespace) -> ServeState:
     from miles.rollout.local import LocalEngine
     from miles.utils.models import eos_token_ids, load_causal_lm, load_tokenizer, quiet_transformers, resolve_checkpoint
@@ -55,6 +73,7 @@ def build_state(args: argparse.Namespace) -> ServeState:
     setup_console_logging()
     quiet_transformers()
     device, precision, dtype = _device_and_dtype(args)
+    _cap_memory(args.mem_fraction_static, device)
     if args.cpu_threads is not None:
         import torch
 

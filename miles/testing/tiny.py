@@ -32,7 +32,9 @@ def build_tokenizer():
     return tok
 
 
-def build_model_dir(path: Path, arch: str = "llama", seed: int = 0) -> Path:
+def build_model_dir(path: Path, arch: str = "llama", seed: int = 0, *, hidden_size: int = 64, layers: int = 2) -> Path:
+    """A random model of `arch` with the character tokenizer; larger sizes for GPU runs that need
+    a model but cannot fetch one."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -40,8 +42,8 @@ def build_model_dir(path: Path, arch: str = "llama", seed: int = 0) -> Path:
 
     quiet_transformers()
     tok = build_tokenizer()
-    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    common = dict(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
                   tie_word_embeddings=False)
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]

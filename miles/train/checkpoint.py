@@ -32,15 +32,18 @@ logger = logging.getLogger("miles")
 _TEMP_DIR = re.compile(r"^\.step_\d+\.tmp-")
 
 
-def save_checkpoint(root: str | Path, step: int, model, tokenizer, trainer_state: dict) -> Path:
-    bad = next((name for name, t in model.state_dict().items()
+def save_checkpoint(root: str | Path, step: int, model, tokenizer, trainer_state: dict,
+                    state_dict: dict | None = None) -> Path:
+    """`state_dict`: the model's whole tensors when they are not its own (gathered shards)."""
+    state_dict = model.state_dict() if state_dict is None else state_dict
+    bad = next((name for name, t in state_dict.items()
                 if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
     if bad is not None:
         raise CheckFailed(f"not saving checkpoint step_{step}: tensor {bad} holds NaN/Inf values (the last "
                           f"checkpoint on disk is untouched); the weights were loaded that way or a step went wrong")
     target = Path(root) / f"step_{step}"
     with atomic_dir(target) as tmp:  # `.step_N.tmp-*` until complete
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, state_dict=dict(state_dict))  # a copy: it drops tied keys in place
         tokenizer.save_pretrained(tmp)
         torch.save({**trainer_state, "step": step}, tmp / TRAINER_STATE)
     logger.info("Saved checkpoint to %s", target)

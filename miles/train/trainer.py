@@ -8,6 +8,11 @@ The trainer owns its model and optimizer: the loop asks it to `train`, `save`, `
 and report digests, and never touches the model itself. A `parallelize(model)` hook is applied
 before the optimizer is built (where sharding goes; single-process runs pass none).
 
+One trainer runs on every rank of a data-parallel group (miles/cluster hosts the ranks); `ranks`
+says which rows are this rank's and does the collectives (train/parallel.py says how the 1-rank
+gradient and metrics are kept). A single process passes `SingleRank()`, where all of that is
+the identity.
+
 Non-finite guard: no NaN/Inf reaches the weights. A rollout with a non-finite reward or trainer
 log-prob takes no optimizer step; an optimizer step whose loss or gradient is non-finite is not
 taken (nor are the rollout's later ones), so parameters and optimizer state stay as they were.
@@ -26,6 +31,7 @@ from pathlib import Path
 import torch
 
 from miles.bridge.transports import WeightTransport
+from miles.bridge.transports.disk import write_hf_weights
 from miles.bridge.types import Sample, StepDiagnostics, TrainResult
 from miles.bridge.weight_sync import SentTensor, SyncStats
 from miles.config import TrainConfig
@@ -33,6 +39,8 @@ from miles.train.advantages import ADVANTAGE_ESTIMATORS
 from miles.train.batch import TrainBatch, response_log_probs, score_rollout
 from miles.train.checkpoint import save_checkpoint
 from miles.train.losses import KL_ESTIMATORS, aggregate, masked_mean, policy_loss, tis_weights
+from miles.train.parallel import (SingleRank, full_named_parameters, local_numel, optimizer_state_by_name,
+                                  optimizer_state_by_number)
 from miles.utils.digest import bytes_digest16, named_tensors_digest16, tensor_bytes, tensor_bytes_sha256
 from miles.utils.progress import Progress
 
@@ -47,12 +55,17 @@ def mixed_precision(precision: str, device_type: str):
 class Trainer:
     def __init__(self, cfg: TrainConfig, model, ref_model, *, temperature: float, group_size: int, pad_token_id: int,
                  precision: str, record_hashes: bool = False,
-                 parallelize: Callable[[torch.nn.Module], torch.nn.Module] | None = None):
+                 parallelize: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+                 ranks: SingleRank | None = None):
         """`temperature` is the rollout's sampling temperature (tokens are scored at it);
-        `group_size` its samples per prompt; `record_hashes` (--debug-determinism) adds digests."""
+        `group_size` its samples per prompt; `record_hashes` (--debug-determinism) adds digests;
+        `parallelize` shards policy and reference alike."""
         self.cfg = cfg
-        self.model = (parallelize(model) if parallelize is not None else model).train()
-        self.ref_model = ref_model.eval() if ref_model is not None else None
+        self.ranks = ranks or SingleRank()
+        self.sharded = parallelize is not None
+        shard = parallelize or (lambda m: m)
+        self.model = shard(model).train()
+        self.ref_model = shard(ref_model).eval() if ref_model is not None else None
         self.temperature = temperature
         self.group_size = group_size
         self.pad_token_id = pad_token_id
@@ -74,7 +87,10 @@ class Trainer:
         return score_rollout(self.model, batch, len(tokens), 1.0, self.autocast)[0][0].tolist()
 
     def _score(self, model, batch: TrainBatch) -> torch.Tensor:
-        return score_rollout(model, batch, self.cfg.micro_batch_size, self.temperature, self.autocast)[0]
+        """Log-probs of every row: this rank scores its share, the others' are gathered."""
+        lo, hi = self.ranks.rows(0, batch.rewards.numel())
+        mine = score_rollout(model, batch.rows(lo, hi), self.cfg.micro_batch_size, self.temperature, self.autocast)[0]
+        return self.ranks.gather_rows(mine)
 
     def train(self, samples: list[Sample]) -> TrainResult:
         """Scores the rollout, then takes `num_steps_per_rollout` optimizer steps on it."""
@@ -106,7 +122,7 @@ class Trainer:
             hashes = {"trainer_log_probs": bytes_digest16(tensor_bytes(old_log_probs * batch.mask)),
                       "loss": bytes_digest16(struct.pack(f"<{len(losses)}d", *losses)),
                       "gradients": bytes_digest16(*(d.encode() for d in grad_digests)),
-                      "parameters": named_tensors_digest16(self.model.named_parameters())}
+                      "parameters": named_tensors_digest16(full_named_parameters(self.model, self.ranks))}
         return TrainResult(metrics, diagnostics, hashes, nonfinite)
 
     def _optimize(self, batch: TrainBatch, advantages, old_log_probs, ref_log_probs):
@@ -116,35 +132,41 @@ class Trainer:
         largest gap between the first step's training forward and the scoring forward (0 before any
         update has been made), and what was non-finite when a step was not taken (None if none).
         """
-        cfg = self.cfg
+        cfg, ranks = self.cfg, self.ranks
         step_metrics, grad_digests, recompute_gap = [], [], 0.0
         gbs, mbs = cfg.global_batch_size, cfg.micro_batch_size
-        with Progress("training", total=batch.rewards.numel() // mbs, unit="micro-batches") as bar:
+        with Progress("training", total=batch.rewards.numel() // mbs // ranks.world_size, unit="micro-batches") as bar:
             for step in range(cfg.num_steps_per_rollout):
                 rows = slice(step * gbs, (step + 1) * gbs)
                 tokens = int(batch.mask[rows].sum()) if cfg.calculate_per_token_loss else None
                 self.optimizer.zero_grad(set_to_none=True)
                 sums: dict[str, float] = {}
-                bad_micro_batch = None
-                for start in range(step * gbs, (step + 1) * gbs, mbs):
+                bad_start, gap = -1, 0.0  # the first micro-batch (its first row) with a non-finite loss
+                for start in range(*ranks.rows(rows.start, rows.stop), mbs):  # this rank's share of the step
                     mb = slice(start, start + mbs)
                     out = self._micro_step(batch.rows(start, start + mbs), advantages[mb], old_log_probs[mb],
                                            ref_log_probs[mb] if ref_log_probs is not None else None, tokens)
-                    gap = out.pop("recompute_max_diff")
-                    if step == 0:
-                        recompute_gap = max(recompute_gap, gap)
+                    gap = max(gap, out.pop("recompute_max_diff"))
                     for key, value in out.items():
                         sums[key] = sums.get(key, 0.0) + value
-                    if bad_micro_batch is None and not math.isfinite(out["train/loss"]):
-                        bad_micro_batch = f"micro-batch {(start - step * gbs) // mbs} (samples {start}..{start + mbs - 1})"
+                    if bad_start < 0 and not math.isfinite(out["train/loss"]):
+                        bad_start = start
                     bar.advance()
+                sums = ranks.sum(sums)  # each micro-batch's share of the global mean, summed over ranks
+                if step == 0:
+                    recompute_gap = ranks.max(gap)
+                bad_start = int(ranks.max(bad_start))
                 if self.record_hashes:
-                    grad_digests.append(named_tensors_digest16((n, p.grad) for n, p in self.model.named_parameters()))
+                    grad_digests.append(named_tensors_digest16(
+                        (n, ranks.full(p.grad)) for n, p in self.model.named_parameters()))
                 max_norm = cfg.clip_grad if cfg.clip_grad > 0 else math.inf
-                sums["train/grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
+                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+                sums["train/grad_norm"] = ranks.full(norm).item()
                 step_metrics.append(sums)
-                if bad_micro_batch or not math.isfinite(sums["train/grad_norm"]):
-                    where = f"loss of {bad_micro_batch}" if bad_micro_batch else f"gradient of {self._nonfinite_grad()}"
+                if bad_start >= 0 or not math.isfinite(sums["train/grad_norm"]):
+                    bad_micro_batch = (f"micro-batch {(bad_start - step * gbs) // mbs} "
+                                       f"(samples {bad_start}..{bad_start + mbs - 1})")
+                    where = f"loss of {bad_micro_batch}" if bad_start >= 0 else f"gradient of {self._nonfinite_grad()}"
                     self.optimizer.zero_grad(set_to_none=True)
                     return step_metrics, grad_digests, recompute_gap, (
                         f"{where}, optimizer step {step + 1} of {cfg.num_steps_per_rollout}"
@@ -153,8 +175,14 @@ class Trainer:
         return step_metrics, grad_digests, recompute_gap, None
 
     def _nonfinite_grad(self) -> str:
-        return next((name for name, p in self.model.named_parameters()
-                     if p.grad is not None and not bool(torch.isfinite(p.grad).all())), "an unnamed tensor")
+        """The first parameter whose gradient holds NaN/Inf on any rank (every rank calls this)."""
+        from torch.distributed.tensor import DTensor
+
+        for name, p in self.model.named_parameters():
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            if self.ranks.any(grad is not None and not bool(torch.isfinite(grad).all())):
+                return name
+        return "an unnamed tensor"
 
     def _micro_step(self, mb: TrainBatch, advantages, old_log_probs, ref_log_probs,
                     tokens_in_batch: int | None) -> dict[str, float]:
@@ -195,40 +223,89 @@ class Trainer:
     # -- what the loop asks of the trainer besides training ----------------------------------------
 
     def send_weights(self, transport: WeightTransport, step: int) -> SyncStats:
-        return transport.send(self.model, step)
+        return transport.send(self, step)
+
+    # The `WeightSource` a transport reads (bridge/transports/base.py): whole tensors, whatever the sharding.
+
+    @torch.no_grad()
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """Every parameter whole; on rank 0 only when sharded (the others gather and get [])."""
+        named = list(full_named_parameters(self.model, self.ranks))
+        return named if self.ranks.rank == 0 else []
+
+    @torch.no_grad()
+    def write_hf(self, directory: Path, *, untie: bool = False) -> tuple[int, int]:
+        """The policy in HF layout (safetensors + config.json) into `directory`, by rank 0; returns
+        (tensors, bytes) written ((0, 0) on the other ranks)."""
+        state = self.full_state_dict()
+        return write_hf_weights(self.model, state, directory, untie=untie) if self.ranks.rank == 0 else (0, 0)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The policy's whole state dict on CPU (gathered when sharded; None on ranks other than 0)."""
+        if not self.sharded:
+            return self.model.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if self.ranks.rank == 0 else None
 
     @torch.no_grad()
     def weight_digests(self, dtypes: dict[str, str]) -> dict[str, SentTensor]:
-        """Each parameter as an engine holding it in dtypes[name] should hold it (default: as is)."""
+        """Each parameter as an engine holding it in dtypes[name] should hold it (default: as is);
+        whole tensors (sharded ones gathered)."""
         out = {}
-        for name, p in self.model.named_parameters():
+        for name, p in full_named_parameters(self.model, self.ranks):
             dtype = getattr(torch, dtypes[name]) if name in dtypes else p.dtype
             out[name] = SentTensor(list(p.shape), str(p.dtype).removeprefix("torch."), p.numel() * p.element_size(),
                                    tensor_bytes_sha256(p.to(dtype)))
         return out
 
-    def save(self, root: str | Path, step: int, tokenizer, extra_state: dict) -> Path:
+    def save(self, root: str | Path, step: int, tokenizer, extra_state: dict) -> Path | None:
         """checkpoints/step_N: the policy in HF format, the tokenizer, and trainer_state.pt (the
-        optimizer state plus `extra_state`)."""
-        return save_checkpoint(root, step, self.model, tokenizer, {**self.state_dict(), **extra_state})
+        optimizer state plus `extra_state`). Sharded: gathered, and written by rank 0 (others get None)."""
+        weights, state = self.full_state_dict(), self.state_dict()
+        if self.ranks.rank != 0:
+            return None
+        return save_checkpoint(root, step, self.model, tokenizer, {**state, **extra_state}, state_dict=weights)
 
     def save_fn(self, tokenizer):
         """`save` with the tokenizer bound: what a Checkpointer calls."""
         return lambda root, step, extra_state: self.save(root, step, tokenizer, extra_state)
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict()}
+        """The optimizer state, numbered as a 1-process optimizer numbers it (gathered when sharded)."""
+        if not self.sharded:
+            return {"optimizer": self.optimizer.state_dict()}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        named = get_optimizer_state_dict(self.model, self.optimizer,
+                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.ranks.rank != 0:  # gathered to rank 0 only
+            return {}
+        return {"optimizer": optimizer_state_by_number(named, self._param_names())}
 
     def load_state_dict(self, state: dict) -> None:
-        """The optimizer state of a checkpoint, under this run's --lr and --weight-decay (the saved
-        param groups carry the old run's; a resume with new ones must train with the new ones)."""
-        self.optimizer.load_state_dict(state["optimizer"])
+        """The optimizer state of a checkpoint (of any rank count), under this run's --lr and
+        --weight-decay (the saved param groups carry the old run's; a resume with new ones must
+        train with the new ones)."""
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(self.model, self.optimizer,
+                                     optimizer_state_by_name(state["optimizer"], self._param_names()),
+                                     options=StateDictOptions(full_state_dict=True))
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         for group in self.optimizer.param_groups:
             group["lr"], group["weight_decay"] = self.cfg.lr, self.cfg.weight_decay
 
+    def _param_names(self) -> list[str]:
+        return [name for name, _ in self.model.named_parameters()]
+
     def memory_bytes(self) -> dict[str, int]:
+        """Bytes of each model's parameters held by this rank (its shards, when sharded)."""
         models = {"policy": self.model, "reference": self.ref_model}
-        return {name: sum(p.numel() * p.element_size() for p in m.parameters())
+        return {name: sum(local_numel(p) * p.element_size() for p in m.parameters())
                 for name, m in models.items() if m is not None}
 
 

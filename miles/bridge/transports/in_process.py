@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from miles.bridge.transports.base import WeightReceiver
+from miles.bridge.transports.base import WeightReceiver, WeightSource
 from miles.bridge.weight_sync import SyncStats
 
 
@@ -14,9 +14,9 @@ class InProcessTransport:
     def __init__(self, receiver: WeightReceiver):
         self.receiver = receiver
 
-    def send(self, model: torch.nn.Module, step: int) -> SyncStats:
+    def send(self, source: WeightSource, step: int) -> SyncStats:
         start = time.perf_counter()
-        named = [(name, p.detach()) for name, p in model.named_parameters()]
+        named = source.named_weights()
         self.receiver.update_weights(named, weight_version=step)
         if named and named[0][1].is_cuda:
             torch.cuda.synchronize()

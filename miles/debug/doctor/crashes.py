@@ -51,7 +51,8 @@ def out_of_memory(c: Corpus) -> list[Finding]:
         if not steps:  # the trainer log may be elsewhere: metrics rows are written at the end of each step
             rows = [m for m in c.metrics if m.name.endswith("metrics.jsonl")]
             steps = sorted({p.step for m in rows for s in m.series.values() for p in s})
-        colocate = c.hints(r"colocate|offload[_-]train|release_memory_occupation|resume_memory_occupation")
+        colocate = c.hints(r"(colocate|offload[_-]train)(?!=(False|false|None|0)\b)|release_memory_occupation|"
+                           r"resume_memory_occupation")
         evidence = [line_ev(log, i)] + ([hint_ev(colocate[0])] if colocate else [])
         if colocate and len(steps) == 1:
             out.append(Finding("oom_colocate_step2", "OOM at step 2 in colocate mode (step 1 completed)", 0.9, evidence,

@@ -5,11 +5,17 @@ reaches it only through `update_weights` (a `WeightTransport` calls it). Decodin
 `decode.py`; `--true-on-policy-mode` passes a `verifier` (true_on_policy.py) that checks each
 rollout against the trainer's own computation. Only this engine takes one: the mode needs the
 trainer's kernels in the engine's process.
+
+Colocated with the trainer on one device, the engine gives its memory back between rollouts:
+`release_memory` moves the weights to the CPU and returns the allocator's cached blocks to the
+driver; `generate` then refuses until `resume_memory` moves them back. Weights updated meanwhile
+are copied into the CPU copy and so reach the device at resume.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterable
 
 import torch
@@ -19,7 +25,10 @@ from miles.bridge.weight_sync import TensorChecksum
 from miles.rollout.engine import GenerationOutput
 from miles.rollout.local.decode import Decoder
 from miles.rollout.sampling import stream_uniforms
+from miles.utils import device_memory
 from miles.utils.digest import tensor_bytes_sha256
+
+logger = logging.getLogger("miles")
 
 
 def fresh_buffers(model) -> dict[str, torch.Tensor]:
@@ -57,6 +66,7 @@ class LocalEngine:
         self.decoder = Decoder(model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, cache=cache,
                                stop_check_every=16 if self.device.type == "cuda" else 1)
         self._fresh_buffers = fresh_buffers(model)
+        self.released = False  # the weights wait on the CPU (release_memory)
 
     # -- weights: the receiving end of a WeightTransport -------------------------------------------
 
@@ -91,6 +101,33 @@ class LocalEngine:
     def memory_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
+    # -- device memory: given back between rollouts when the trainer shares the device --------------
+
+    @torch.no_grad()
+    def release_memory(self) -> None:
+        """Parameters and buffers to the CPU (the same Parameter objects, so names and ties hold),
+        the allocator's cached blocks back to the driver; a no-op when already released. KV caches
+        live only within a decode call, so none is left to free."""
+        if self.released:
+            return
+        before = device_memory.snapshot(self.device)
+        self.model.to("cpu")
+        device_memory.give_back(self.device)
+        self.released = True
+        logger.info("Engine memory released (weights on the CPU until resume): %s",
+                    device_memory.describe(before, device_memory.snapshot(self.device)))
+
+    @torch.no_grad()
+    def resume_memory(self) -> None:
+        """The weights (as last updated) back on the engine's device; a no-op when not released."""
+        if not self.released:
+            return
+        before = device_memory.snapshot(self.device)
+        self.model.to(self.device)
+        self.released = False
+        logger.info("Engine memory resumed on %s: %s", self.device,
+                    device_memory.describe(before, device_memory.snapshot(self.device)))
+
     # -- generation --------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -107,4 +144,6 @@ class LocalEngine:
     def decode(self, prompts: list[list[int]], sampling: SamplingParams, uniforms: torch.Tensor,
                progress: Callable[[int], None] | None = None, limits: list[int] | None = None) -> list[GenerationOutput]:
         """The KV-cache decode of `prompts` driven by `uniforms` (B, T); row i makes at most limits[i] tokens."""
+        if self.released:
+            raise RuntimeError("the engine's memory is released (release_memory): call resume_memory first")
         return self.decoder.decode(prompts, sampling, uniforms, progress, limits, self.weight_version)

@@ -28,8 +28,12 @@ __all__ = ["BACKENDS", "EngineError", "RemoteEngine", "connect"]
 
 def connect(cfg: EngineConfig, *, model_dir: str, closers: contextlib.ExitStack, precision: str, seed: int,
             max_model_len: int, eos_token_ids: list[int], vocab_size: int, weight_version: int,
-            work_dir: Path) -> RemoteEngine:
-    """`work_dir` holds what the servers load: the untied copy vLLM starts from (untie.py)."""
+            work_dir: Path, device: str | None = None, mem_fraction: float | None = None,
+            launch=None) -> RemoteEngine:
+    """`work_dir` holds what the servers load: the untied copy vLLM starts from (untie.py). For the
+    servers miles starts: `device` (None: cuda if this process sees one), `mem_fraction` the share
+    of the GPU each may take (None: the servers' defaults); `launch(backend, model_dir, options)`
+    starts them elsewhere (engine actors on Ray) and returns their URLs, else a ServerFleet here does."""
     urls = list(cfg.urls)
     untie = cfg.backend == "vllm" and is_tied(model_dir)
     if untie and not urls:
@@ -39,12 +43,13 @@ def connect(cfg: EngineConfig, *, model_dir: str, closers: contextlib.ExitStack,
         logger.warning("%s serves a model with tied embeddings; vLLM 0.32's reload_weights leaves a tied lm_head on "
                        "the old weights: start it on an untied copy (miles does when it starts vLLM itself) and "
                        "check with --check-weight-update-equal", ", ".join(urls))
-    if not urls:
-        fleet = closers.enter_context(ServerFleet(cfg.backend, model_dir, cfg.num_engines, log_dir=cfg.log_dir,
-                                                  start_timeout=cfg.start_timeout, precision=precision, seed=seed,
-                                                  max_model_len=max_model_len, python=cfg.vllm_python,
-                                                  weight_version=weight_version))
-        urls = fleet.start()
+    options = dict(log_dir=cfg.log_dir, start_timeout=cfg.start_timeout, precision=precision, seed=seed,
+                   max_model_len=max_model_len, python=cfg.vllm_python, weight_version=weight_version, device=device,
+                   mem_fraction=mem_fraction)
+    if not urls and launch is not None:
+        urls = launch(cfg.backend, model_dir, options)
+    elif not urls:
+        urls = closers.enter_context(ServerFleet(cfg.backend, model_dir, cfg.num_engines, **options)).start()
     server_type = _SERVERS[cfg.backend]
     servers = [server_type(ServerClient(url, flag=server_type.flag, timeout=cfg.request_timeout, retries=cfg.retries),
                            eos_token_ids=eos_token_ids, vocab_size=vocab_size) for url in urls]

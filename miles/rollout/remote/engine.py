@@ -7,6 +7,12 @@ per server. Outputs come back in prompt order whatever order the servers finish 
 
 Weights reach the servers from disk (`load_weights_from_disk`, called by `DiskTransport`): every
 server loads the same safetensors dir and tags its later outputs with the step.
+
+Memory (colocated with the trainer): `release_memory` / `resume_memory` ask every server, in
+URL order: SGLang's `/release_memory_occupation` and `/resume_memory_occupation` (`miles serve`
+moves its weights to the CPU and empties the CUDA cache), vLLM's `/sleep?level=1` and
+`/wake_up` (a logged no-op on a vLLM without sleep mode, such as its CPU backend). Send weights
+after the resume: `miles serve` takes them while released too, SGLang and vLLM do not.
 """
 
 from __future__ import annotations
@@ -96,3 +102,13 @@ class RemoteEngine:
 
     def memory_bytes(self) -> int:
         return 0  # the weights live in the servers' processes
+
+    def release_memory(self) -> None:
+        for server in self.servers:
+            server.release_memory()
+        logger.info("Memory released on %s", ", ".join(self.urls))
+
+    def resume_memory(self) -> None:
+        for server in self.servers:
+            server.resume_memory()
+        logger.info("Memory resumed on %s", ", ".join(self.urls))

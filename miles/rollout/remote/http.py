@@ -18,7 +18,14 @@ from miles.errors import RunFailed
 
 
 class EngineError(RunFailed):
-    """An inference server is down, too slow, refused a request, or answered something unusable."""
+    """An inference server is down, too slow, refused a request, or answered something unusable.
+
+    `status` is the HTTP status of a refusal (a 4xx, never retried) or of the last 5xx answered;
+    None when no answer came (refused connection, timeout) or the answer was unusable."""
+
+    def __init__(self, message: str, *, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class ServerClient:
@@ -29,8 +36,8 @@ class ServerClient:
         self.timeout, self.retries = timeout, retries
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
-    def fail(self, what: str) -> EngineError:
-        return EngineError(f"{self.flag} {self.url}: {what}")
+    def fail(self, what: str, *, status: int | None = None) -> EngineError:
+        return EngineError(f"{self.flag} {self.url}: {what}", status=status)
 
     def request(self, method: str, path: str, body: Any = None, *, params: dict | None = None,
                 timeout: float | None = None) -> Any:
@@ -47,7 +54,7 @@ class ServerClient:
 
     async def call(self, session: httpx.AsyncClient, method: str, path: str, body: Any = None, *,
                    params: dict | None = None, timeout: float | None = None) -> Any:
-        last = ""
+        last, status = "", None
         for attempt in range(self.retries):
             if attempt:
                 await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 4.0))
@@ -55,18 +62,20 @@ class ServerClient:
                 r = await session.request(method, self.url + path, json=body, params=params,
                                           timeout=timeout or self.timeout)
             except httpx.TimeoutException:
-                last = f"no answer within {timeout or self.timeout:g} s (--rollout-request-timeout)"
+                last, status = f"no answer within {timeout or self.timeout:g} s (--rollout-request-timeout)", None
                 continue
             except httpx.TransportError as e:
+                status = None
                 last = f"cannot connect ({type(e).__name__}: {e or 'connection failed'}); is the server up?"
                 continue
             if r.status_code >= 500:
-                last = f"{method} {path} answered {r.status_code}: {_message(r)}"
+                last, status = f"{method} {path} answered {r.status_code}: {_message(r)}", r.status_code
                 continue
             if r.status_code >= 400:
-                raise self.fail(f"{method} {path} was refused with {r.status_code}: {_message(r)}")
+                raise self.fail(f"{method} {path} was refused with {r.status_code}: {_message(r)}",
+                                status=r.status_code)
             return _body(r)
-        raise self.fail(f"{method} {path} failed {self.retries} time(s); last: {last}")
+        raise self.fail(f"{method} {path} failed {self.retries} time(s); last: {last}", status=status)
 
 
 def _body(r: httpx.Response) -> Any:

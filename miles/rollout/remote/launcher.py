@@ -4,11 +4,22 @@
 and transformers), else the interpreter of the `vllm` on PATH. Each server gets a free loopback
 port, its own process group and a log file under `--sglang-log-dir`; `start` returns once every
 server answers its health check, and `stop` (SIGTERM, then SIGKILL after 20 s) runs at exit, on a
-crash and on Ctrl-C alike, because the caller holds the fleet in an ExitStack.
+crash and on Ctrl-C alike, because the caller holds the fleet in an ExitStack. A parent killed
+outright (SIGKILL, the OOM killer) runs no `stop`: on Linux each server also asks the kernel for a
+SIGTERM when its parent dies (PR_SET_PDEATHSIG), which both servers answer by shutting down what
+they started (vLLM its engine core). The kernel sends it when the *thread* that started the server
+ends, so call `start` from a thread that lives as long as the servers should (the main thread).
+
+On a CPU the host's cores are shared out: each `miles serve` gets `--cpu-threads` cores / servers
+(all spinning on every core is several times slower). On a GPU, `mem_fraction` caps what each
+server takes (`--mem-fraction-static` for `miles serve`, `--gpu-memory-utilization` for vLLM),
+leaving room for a colocated trainer, and vLLM gets `--enable-sleep-mode`, without which its
+`/sleep` frees nothing (RemoteEngine.release_memory).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
@@ -17,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,30 +66,83 @@ def vllm_python(given: str | None) -> str:
 
 
 def server_command(backend: str, model_dir: str, port: int, *, precision: str, seed: int, max_model_len: int,
-                   python: str | None, weight_version: int) -> tuple[list[str], dict[str, str]]:
-    """The command line and extra environment of one server."""
+                   python: str | None, weight_version: int, device: str, cpu_threads: int | None = None,
+                   mem_fraction: float | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command line and extra environment of one server on `device` (cpu | cuda); `cpu_threads`
+    is for `miles serve` on a CPU, `mem_fraction` for a GPU."""
+    gpu = device == "cuda"
     if backend == "sglang":
-        return ([sys.executable, "-m", "miles", "serve", "--hf-checkpoint", model_dir, "--port", str(port),
-                 "--precision", precision, "--seed", str(seed), "--weight-version", str(weight_version)], {})
+        command = [sys.executable, "-m", "miles", "serve", "--hf-checkpoint", model_dir, "--port", str(port),
+                   "--device", device, "--precision", precision, "--seed", str(seed),
+                   "--weight-version", str(weight_version)]
+        if not gpu and cpu_threads is not None:
+            command += ["--cpu-threads", str(cpu_threads)]
+        if gpu and mem_fraction is not None:
+            command += ["--mem-fraction-static", str(mem_fraction)]
+        return command, {}
     dtype = "bfloat16" if precision == "bf16" else "float32"
-    return ([vllm_python(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host",
-             "127.0.0.1", "--port", str(port), "--dtype", dtype, "--enforce-eager", "--seed", str(seed),
-             "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs",
-             "--disable-uvicorn-access-log"],
+    command = [vllm_python(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host",
+               "127.0.0.1", "--port", str(port), "--dtype", dtype, "--enforce-eager", "--seed", str(seed),
+               "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs",
+               "--disable-uvicorn-access-log"]
+    if gpu:  # on a CPU --gpu-memory-utilization is a share of the host's RAM, and sleep mode refuses to start
+        command += ["--enable-sleep-mode"]
+        if mem_fraction is not None:
+            command += ["--gpu-memory-utilization", str(mem_fraction)]
+    return (command,
             {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",  # the RL endpoints; a local dir needs no hub
              # vLLM's CPU backend reserves this many GiB of KV cache (its default, 4, is most of a small host)
              "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")})
 
 
+def host_cores() -> int:
+    """The cores this process may run on (its affinity mask, as taskset and cgroups set it)."""
+    return len(os.sched_getaffinity(0)) if sys.platform.startswith("linux") else os.cpu_count() or 1
+
+
+def default_device() -> str:
+    import torch  # already imported by `miles train`; servers see what this process sees
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A Popen preexec_fn (Linux): the child is sent SIGTERM when the thread that started it ends,
+    however it ends; if the parent is already gone by then, at once. None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the forked child only calls it
+    parent = os.getpid()
+
+    def preexec() -> None:
+        if prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent:  # the parent died between fork and prctl
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
 class ServerFleet:
-    """`n` servers of `backend` on `model_dir`; a context manager that stops them on the way out."""
+    """`n` servers of `backend` on `model_dir`; a context manager that stops them on the way out.
+    `device` None: cuda when this process sees a GPU, else cpu. `mem_fraction` None: no cap.
+    `cpu_threads` None: the host's cores shared out among the `n`."""
 
     def __init__(self, backend: str, model_dir: str, n: int, *, log_dir: str, start_timeout: float, precision: str,
-                 seed: int, max_model_len: int, python: str | None, weight_version: int):
+                 seed: int, max_model_len: int, python: str | None, weight_version: int, device: str | None = None,
+                 mem_fraction: float | None = None, cpu_threads: int | None = None):
         self.backend, self.model_dir, self.n = backend, model_dir, n
         self.log_dir, self.start_timeout = Path(log_dir), start_timeout
+        device = device or default_device()
+        if device != "cuda" and mem_fraction is not None:
+            logger.info("mem_fraction %g is for GPU servers; the %s servers run on %s without a cap", mem_fraction,
+                        backend, device)
         self.options = dict(precision=precision, seed=seed, max_model_len=max_model_len, python=python,
-                            weight_version=weight_version)
+                            weight_version=weight_version, device=device, mem_fraction=mem_fraction,
+                            cpu_threads=cpu_threads or max(1, host_cores() // n))
         self.servers: list[Launched] = []
 
     def __enter__(self) -> ServerFleet:
@@ -96,7 +161,8 @@ class ServerFleet:
             log = self.log_dir / f"{self.backend}-{i}-{port}.log"
             with open(log, "wb") as out:
                 process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           env={**os.environ, **env}, start_new_session=True)
+                                           env={**os.environ, **env}, start_new_session=True,
+                                           preexec_fn=die_with_parent())
             self.servers.append(Launched(f"http://127.0.0.1:{port}", process, log))
             logger.info("Started %s server %d of %d: %s (pid %d, log %s)", self.backend, i + 1, self.n,
                         self.servers[-1].url, process.pid, log)

@@ -7,6 +7,10 @@ read from `meta_info.output_token_logprobs` (`[logprob, token_id, text]` triples
 
 Weights: `pause_generation` -> `flush_cache` -> `update_weights_from_disk {model_path,
 weight_version}` -> `continue_generation`, the sequence slime and Miles use.
+
+Memory: `release_memory_occupation {}` / `resume_memory_occupation {}` (no tags: weights, KV cache
+and CUDA graphs alike). SGLang frees memory only when started with `--enable-memory-saver`, and
+refuses a release while requests run.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import httpx
 
 from miles.config import SamplingParams
 from miles.rollout.engine import GenerationOutput
-from miles.rollout.remote.http import ServerClient
+from miles.rollout.remote.http import EngineError, ServerClient
 from miles.rollout.remote.protocol import Garbage, checked_output, version_number
 
 FLAG = "--sglang-url"
@@ -75,6 +79,12 @@ class SGLangServer:
         finally:
             c.request("POST", "/continue_generation", {})
 
+    def release_memory(self) -> None:
+        self.client.request("POST", "/release_memory_occupation", {})
+
+    def resume_memory(self) -> None:
+        self.client.request("POST", "/resume_memory_occupation", {})
+
     def weights_checksum(self) -> dict[str, dict] | None:
         """`miles serve`'s per-tensor digests; None from a server without the endpoint (SGLang)."""
         answer = self.checksum_answer()
@@ -84,8 +94,8 @@ class SGLangServer:
         """`GET /weights_checksum` whole ({"weight_version", "tensors"}); None when the server has none."""
         try:
             answer = self.client.request("GET", "/weights_checksum")
-        except Exception as e:
-            if "refused with 404" in str(e):
+        except EngineError as e:
+            if e.status == 404:
                 return None
             raise
         if not (isinstance(answer, dict) and isinstance(answer.get("tensors"), dict)):

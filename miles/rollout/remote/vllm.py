@@ -11,10 +11,17 @@ Weights: `/pause?mode=wait` -> `/collective_rpc reload_weights {weights_path}` -
 `/reset_prefix_cache` -> `/resume`. vLLM's `/weight_checker` digests are not comparable on CPU
 (fused tensors such as qkv_proj hash as empty), so `weights_checksum` is None and a weight check
 is behavioural: `prompt_log_probs` of a fixed sequence, compared with the trainer's.
+
+Memory: `/sleep?level=1` (weights offloaded to CPU memory, KV cache discarded; the engine pauses)
+and `/wake_up`, on a server started with `--enable-sleep-mode` (miles passes it when it starts
+vLLM on a GPU). Without it (vLLM's CPU backend has no sleep mode: its worker ignores `/sleep`, and
+`--enable-sleep-mode` refuses to start) a release frees nothing, so it is a logged no-op, as is
+the resume; whether the server has one is read once from its `/server_info`.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +29,12 @@ import httpx
 
 from miles.config import SamplingParams
 from miles.rollout.engine import GenerationOutput
-from miles.rollout.remote.http import ServerClient
+from miles.rollout.remote.http import EngineError, ServerClient
 from miles.rollout.remote.protocol import Garbage, checked_output
 
 FLAG = "--vllm-url"
+
+logger = logging.getLogger("miles")
 
 
 class VLLMServer:
@@ -35,6 +44,7 @@ class VLLMServer:
     def __init__(self, client: ServerClient, *, eos_token_ids: list[int], vocab_size: int):
         self.client, self.eos_token_ids, self.vocab_size = client, eos_token_ids, vocab_size
         self.weight_version: int | None = None  # vLLM does not track one: the last step loaded
+        self._sleep_mode: bool | None = None  # started with --enable-sleep-mode; asked on first use
 
     def body(self, prompt: list[int], sampling: SamplingParams, seed: int) -> dict[str, Any]:
         # Every sampling field explicit: vLLM fills unset ones from the model's generation_config.json.
@@ -79,6 +89,34 @@ class VLLMServer:
         finally:
             c.request("POST", "/resume")
         self.weight_version = weight_version
+
+    def release_memory(self) -> None:
+        if self.sleep_mode():
+            self.client.request("POST", "/sleep", params={"level": 1})
+
+    def resume_memory(self) -> None:
+        if self.sleep_mode():
+            self.client.request("POST", "/wake_up")
+
+    def sleep_mode(self) -> bool:
+        """Whether /sleep frees memory here; False is logged once (release and resume are no-ops)."""
+        if self._sleep_mode is None:
+            try:
+                config = self.client.request("GET", "/server_info", params={"config_format": "json"})["vllm_config"]
+                self._sleep_mode = bool(config["model_config"]["enable_sleep_mode"])
+                device = config["device_config"]["device"]
+            except EngineError as e:
+                if e.status != 404:  # 404: no VLLM_SERVER_DEV_MODE, so no /sleep either
+                    raise
+                self._sleep_mode, device = False, "unknown (no /server_info: VLLM_SERVER_DEV_MODE unset)"
+            except (KeyError, TypeError):
+                raise self.client.fail("GET /server_info answered no vllm_config.model_config.enable_sleep_mode") \
+                    from None
+            if not self._sleep_mode:
+                logger.info("vLLM %s has no sleep mode (device %s, started without --enable-sleep-mode; vLLM's CPU "
+                            "backend cannot sleep): releasing and resuming its memory are no-ops", self.client.url,
+                            device)
+        return self._sleep_mode
 
     def weights_checksum(self) -> dict[str, dict] | None:
         return None

@@ -1,0 +1,91 @@
+"""Watching Ray calls: a dead or failed worker becomes one `WorkerCrashed`, within a bounded time.
+
+`Supervisor.call(workers, method, ...)` runs `method` on every worker and waits. When one fails
+(its process died, or the call raised), the others get `grace` seconds to finish; any still
+running then are stuck (typically in a collective with the failed one, or the reason it failed):
+their Python stacks are logged. The error names the first failure: which worker, its node, and
+the first ERROR line of its own log (or Ray's account of how its process died).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from miles.errors import WorkerCrashed
+
+logger = logging.getLogger("miles")
+
+
+@dataclass
+class Worker:
+    name: str  # "trainer rank 1", "engine 0"
+    actor: object  # the Ray actor handle
+    node: dict  # node_ip, host, pid, log
+
+
+class Supervisor:
+    def __init__(self, ray, *, grace: float = 10.0):
+        self.ray, self.grace = ray, grace
+
+    def call(self, workers: list[Worker], method: str, *args, **kwargs) -> list:
+        refs = [w.actor.call.remote(method, *args, **kwargs) for w in workers]
+        return self.wait(workers, refs, what=method)
+
+    def wait(self, workers: list[Worker], refs: list, *, what: str) -> list:
+        ray = self.ray
+        pending = dict(zip(refs, workers))
+        results: dict = {}
+        failed_at = None
+        first_failure: tuple[Worker, BaseException] | None = None
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
+            for ref in ready:
+                worker = pending.pop(ref)
+                try:
+                    results[ref] = ray.get(ref)
+                except Exception as e:  # RayActorError (it died) or RayTaskError (the call raised)
+                    first_failure = first_failure or (worker, e)
+                    failed_at = failed_at or time.monotonic()
+            if failed_at is not None and pending and time.monotonic() - failed_at > self.grace:
+                self._log_stuck(list(pending.values()), what)
+                break
+        if first_failure is not None:
+            raise crashed(first_failure[0], first_failure[1], what)
+        return [results[ref] for ref in refs]
+
+    def _log_stuck(self, stuck: list[Worker], what: str) -> None:
+        for worker in stuck:
+            try:
+                stack = self.ray.get(worker.actor.stacks.remote(), timeout=10)
+            except Exception as e:
+                stack = f"(no stack: {type(e).__name__})"
+            logger.error("%s had not finished %s %.0f s after another worker failed; its stacks:\n%s", worker.name,
+                         what, self.grace, stack.rstrip())
+
+
+def crashed(worker: Worker, error: BaseException, what: str) -> WorkerCrashed:
+    node = worker.node
+    where = f"node {node.get('node_ip')} ({node.get('host')}), pid {node.get('pid')}"
+    first = first_error(node.get("log")) or _ray_reason(error)
+    log = f"; its log: {node['log']}" if node.get("log") else ""
+    return WorkerCrashed(f"WorkerCrashed: {worker.name} on {where} failed during {what}: {first}{log}")
+
+
+def first_error(log: str | None) -> str | None:
+    """The first ERROR line of a worker's log (a failed call logs its exception on that line)."""
+    if not log or not Path(log).is_file():
+        return None
+    lines = Path(log).read_text(errors="replace").splitlines()
+    for line in lines:
+        if " ERROR " in line:
+            return line.split(" ERROR ", 1)[1].strip()
+    return None
+
+
+def _ray_reason(error: BaseException) -> str:
+    """Ray's own account (how the process died, or the remote exception), on one line."""
+    text = " ".join(str(error).split())
+    return text[:400] if text else type(error).__name__
