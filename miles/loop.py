@@ -275,13 +275,18 @@ def build_components(cfg: Configs, data: PromptData | None, reward_fn: RewardFn 
         if state is not None and "sha256" in state.get("data", {}):
             dataset.check_fingerprint(state["data"])
         engine = build_engine(resume or base, tokenizer, cfg, weight_version=start_step, closers=closers,
-                              launch=cluster.launch_engines if cluster is not None and cluster.placement.engines else None)
+                              launch=cluster.launch_engines if cluster and cluster.placement.engines else None)
         name = f"--custom-rm-path {cfg.rollout.custom_rm_path}" if cfg.rollout.custom_rm_path else \
             f"--rm-type {cfg.rollout.rm_type}"
         source = LiveRollout(cfg.rollout, engine, tokenizer, dataset,
                              guarded_reward(reward_fn, name, cfg.rollout.reward_timeout),
                              apply_chat_template=cfg.data.apply_chat_template, seed=run.seed)
         if cfg.cluster.async_rollout:
+            if isinstance(engine, LocalEngine) and cluster is not None:
+                logger.warning("--async with --rollout-backend local generates in a thread of this process; with the "
+                               "trainer on Ray that thread ran 5-7x slower on an H200 and the step 1.5-2.3x slower "
+                               "than sync (benchmarks/BENCHMARKS.md): use a server backend (--rollout-backend sglang) "
+                               "to overlap for real")
             pending = (state or {}).get("async_pending")
             source = AheadRollouts(source, pending=pending if pending and pending["rollout_id"] == start_step else None)
 
@@ -320,7 +325,8 @@ def build_components(cfg: Configs, data: PromptData | None, reward_fn: RewardFn 
     context = CheckContext(vocab_size=_vocab_size(base, tokenizer), precision=model_cfg.precision,
                            has_template=bool(tokenizer.chat_template), applied_template=cfg.data.apply_chat_template,
                            rm_type=rm_type, label_key=cfg.data.label_key)
-    turns = Colocated(trainer, engine) if cfg.cluster.colocate and trainer is not None and engine is not None else Apart()
+    colocated = cfg.cluster.colocate and trainer is not None and engine is not None
+    turns = Colocated(trainer, engine) if colocated else Apart()
     c = Components(tokenizer, source, engine, trainer, transport, checkpoints, dataset, start_step, context,
                    cluster=cluster, turns=turns)
     return c

@@ -112,13 +112,12 @@ def test_checkpoint_resumes_at_another_rank_count(one_rank, two_ranks, tiny_mode
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < TOLERANCE
 
 
-def test_killed_rank_is_worker_crashed(tiny_args, tmp_path):
-    """SIGKILL one rank mid-run: WorkerCrashed naming it, exit 1 within a bounded time, the last
-    checkpoint intact, no Ray process left."""
+def signal_rank_1_mid_run(args: list[str], run: Path, sig: int) -> tuple[subprocess.CompletedProcess, float, int]:
+    """Starts a long 2-rank run, sends `sig` to rank 1 once the first checkpoint is saved, and waits
+    for the run to end. Returns (its result, seconds from the signal to the end, rank 1's pid), once
+    it has checked that no Ray process outlived the run."""
     before = ray_processes()
-    run = tmp_path / "run"
-    args = tiny_args + ["--num-rollout", "200", "--save-interval", "1", "--actor-num-gpus-per-node", "2",
-                        "--distributed-timeout-minutes", "0.5"]
+    args = args + ["--num-rollout", "200", "--save-interval", "1", "--actor-num-gpus-per-node", "2"]
     process = subprocess.Popen([sys.executable, "-m", "miles", *args], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     try:
@@ -127,26 +126,35 @@ def test_killed_rank_is_worker_crashed(tiny_args, tmp_path):
         while not (log.is_file() and "Saved checkpoint" in log.read_text()):
             assert process.poll() is None and time.monotonic() < deadline, "the run did not reach its first save"
             time.sleep(0.5)
-        joined = (run / "workers" / "trainer_rank_1.log").read_text()
-        pid = int(re.search(r"pid (\d+) \(", joined).group(1))
-        os.kill(pid, signal.SIGKILL)
-        killed = time.monotonic()
-        _, stderr = process.communicate(timeout=120)
+        pid = int(re.search(r"pid (\d+) \(", (run / "workers" / "trainer_rank_1.log").read_text()).group(1))
+        os.kill(pid, sig)
+        sent = time.monotonic()
+        stdout, stderr = process.communicate(timeout=180)
     finally:
         if process.poll() is None:
             process.kill()
-    assert time.monotonic() - killed < 90
-    assert process.returncode == 1
-    text = log.read_text()
+    seconds = time.monotonic() - sent
+    time.sleep(2)
+    assert not (ray_processes() - before), "Ray processes outlived the run"
+    return subprocess.CompletedProcess(args, process.returncode, stdout, stderr), seconds, pid
+
+
+def test_killed_rank_is_worker_crashed(tiny_args, tmp_path):
+    """SIGKILL one rank mid-run: WorkerCrashed naming it, exit 1 within a bounded time, the last
+    checkpoint intact, no Ray process left."""
+    run = tmp_path / "run"
+    result, seconds, pid = signal_rank_1_mid_run(tiny_args + ["--distributed-timeout-minutes", "0.5"], run,
+                                                 signal.SIGKILL)
+    assert seconds < 90
+    assert result.returncode == 1
+    text = (run / "train.log").read_text()
     assert "WorkerCrashed: trainer rank 1 on node" in text and f"pid {pid}" in text
-    assert "error: WorkerCrashed" in stderr
+    assert "error: WorkerCrashed" in result.stderr
     steps = sorted(int(p.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*"))
     assert steps, "no checkpoint survived"
     last = run / "checkpoints" / f"step_{steps[-1]}"
     state = torch.load(last / "trainer_state.pt", weights_only=True)
     assert state["step"] == steps[-1] and load_file(str(last / "model.safetensors"))
-    time.sleep(2)
-    assert not (ray_processes() - before), "Ray processes outlived the run"
 
 
 def test_two_ranks_with_engine_servers_on_ray(tiny_args, tmp_path):
@@ -168,6 +176,8 @@ def test_two_ranks_with_engine_servers_on_ray(tiny_args, tmp_path):
     (["--actor-num-gpus-per-node", "3"], "must split evenly into 3 trainer ranks"),
     (["--colocate"], "--colocate places engines on the trainer ranks' devices"),
     (["--rollout-num-gpus", "2"], "place engines on Ray"),
+    (["--actor-num-gpus-per-node", "1", "--rollout-backend", "sglang", "--rollout-num-gpus-per-engine", "2"],
+     "run on one device each"),
     (["--async", "--colocate", "--actor-num-gpus-per-node", "1"], "--async generates while the trainer trains"),
     (["--actor-num-gpus-per-node", "0"], "--actor-num-gpus-per-node must be > 0"),
     (["--rollout-backend", "sglang", "--sglang-mem-fraction-static", "1.5"], "must be in (0, 1]"),
@@ -195,7 +205,8 @@ def test_colocate_takes_turns(tiny_args, tmp_path):
     assert text.count("checksum_ok=true") == 2
     assert all(r["perf/colocate_switch_s"] > 0 for r in rows(run))
     server_log = next((tmp_path / "servers").glob("sglang-0-*.log")).read_text()
-    assert server_log.count("miles serve: memory released") == 2 and server_log.count("miles serve: memory resumed") == 2
+    assert server_log.count("miles serve: memory released") == 2
+    assert server_log.count("miles serve: memory resumed") == 2
 
 
 def test_mem_fraction_reaches_the_servers_miles_starts(tiny_args, tmp_path):
@@ -204,3 +215,50 @@ def test_mem_fraction_reaches_the_servers_miles_starts(tiny_args, tmp_path):
                                 "0.4", "--sglang-log-dir", str(tmp_path / "servers")])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "mem_fraction 0.4 is for GPU servers" in (tmp_path / "run" / "train.log").read_text()
+
+
+def test_supervisor_names_the_failure_and_logs_the_stuck_workers_stack():
+    """One worker fails, another hangs: the error names the first, and the stuck one's Python stack
+    (where it hangs) is logged, within the grace period rather than never."""
+    import logging
+
+    import ray
+
+    from miles.cluster.supervisor import Supervisor, Worker
+    from miles.errors import WorkerCrashed
+    from miles.testing.workers import FailOrHang
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("miles").addHandler(handler)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        actor = ray.remote(max_concurrency=2)(FailOrHang)
+        workers = [Worker(f"trainer rank {i}", actor.remote(), {"node_ip": "10.0.0.1", "host": "h", "pid": i})
+                   for i in range(2)]
+        supervisor = Supervisor(ray, grace=2.0)
+        refs = [workers[0].actor.call.remote("fail"), workers[1].actor.call.remote("hang")]
+        start = time.monotonic()
+        with pytest.raises(WorkerCrashed) as e:
+            supervisor.wait(workers, refs, what="train")
+        assert time.monotonic() - start < 30
+    finally:
+        ray.shutdown()
+        logging.getLogger("miles").removeHandler(handler)
+    assert "WorkerCrashed: trainer rank 0 on node 10.0.0.1 (h), pid 0 failed during train" in str(e.value)
+    assert "RuntimeError: this rank failed first" in str(e.value)
+    stuck = [m for m in records if "trainer rank 1 had not finished train" in m]
+    assert stuck and "in call" in stuck[0] and "time.sleep(0.1)" in stuck[0], records
+
+
+def test_a_frozen_rank_is_a_timeout_not_a_freeze(tiny_args, tmp_path):
+    """SIGSTOP one rank mid-run: its peer's collective times out after --distributed-timeout-minutes,
+    the run stops with an error naming the failed rank and the stuck one, exit 1, nothing left behind."""
+    run = tmp_path / "run"
+    result, seconds, _ = signal_rank_1_mid_run(tiny_args + ["--distributed-timeout-minutes", "0.1"], run,
+                                               signal.SIGSTOP)
+    assert seconds < 120 and result.returncode == 1
+    text = (run / "train.log").read_text()
+    assert "WorkerCrashed: trainer rank 0" in text and "Timed out" in text
+    assert "trainer rank 1 had not finished" in text and "(stuck; stacks in the log): trainer rank 1" in text

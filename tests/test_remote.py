@@ -398,6 +398,9 @@ def test_server_commands_carry_threads_on_a_cpu_and_the_memory_fraction_and_slee
     vllm_gpu, vllm_cpu = command("vllm", "cuda", mem_fraction=0.4), command("vllm", "cpu", mem_fraction=0.4)
     assert "--enable-sleep-mode" in vllm_gpu and flag(vllm_gpu, "--gpu-memory-utilization") == "0.4"
     assert "--enable-sleep-mode" not in vllm_cpu and "--gpu-memory-utilization" not in vllm_cpu
+    # --rollout-num-gpus-per-engine: a vLLM server spans its bundle's GPUs
+    assert flag(command("vllm", "cuda", tensor_parallel=4), "--tensor-parallel-size") == "4"
+    assert flag(command("vllm", "cuda"), "--tensor-parallel-size") is None
 
 
 FLEET_IN_A_CHILD = """

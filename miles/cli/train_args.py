@@ -258,6 +258,11 @@ def _check_cluster_flags(args: argparse.Namespace) -> None:
     if args.colocate and args.rollout_num_gpus_per_engine != 1:
         raise UsageError(f"--colocate runs one engine beside each trainer rank: --rollout-num-gpus-per-engine "
                          f"{args.rollout_num_gpus_per_engine} (an engine spanning ranks' devices) is not supported yet")
+    if args.rollout_num_gpus_per_engine > 1 and args.rollout_backend != "vllm":
+        raise UsageError(f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}: the servers miles starts "
+                         f"for --rollout-backend {args.rollout_backend} run on one device each; a tensor-parallel "
+                         f"engine needs --rollout-backend vllm (--tensor-parallel-size), or an SGLang you start "
+                         f"(--sglang-url)")
     if args.rollout_num_gpus is not None and args.rollout_num_gpus % args.rollout_num_gpus_per_engine:
         raise UsageError(f"--rollout-num-gpus {args.rollout_num_gpus} must be a multiple of "
                          f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}")

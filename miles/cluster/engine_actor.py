@@ -30,7 +30,12 @@ class EngineActor:
                 "pid": os.getpid(), "log": self.log_file, "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
 
     def call(self, method: str, *args, **kwargs):
-        return getattr(self, method)(*args, **kwargs)
+        """What the driver calls; a failure is logged in the engine's own log (quoted when it dies)."""
+        try:
+            return getattr(self, method)(*args, **kwargs)
+        except BaseException as e:
+            logger.error("%s failed: %s: %s", method, type(e).__name__, e)
+            raise
 
     def start(self, backend: str, model_dir: str, options: dict) -> str:
         from miles.rollout.remote.launcher import ServerFleet

@@ -37,10 +37,12 @@ def process_group_timeout(cfg: Configs) -> float:
 def placement_of(cfg: Configs) -> Placement:
     c, engines = cfg.cluster, 0
     if cfg.engines.backend != "local" and not cfg.engines.urls:
-        gpus = c.rollout_num_gpus or (c.ranks if c.colocate else cfg.engines.num_engines * c.rollout_num_gpus_per_engine)
+        per_engine = c.rollout_num_gpus_per_engine
+        gpus = c.rollout_num_gpus or (c.ranks if c.colocate else cfg.engines.num_engines * per_engine)
         engines = gpus // c.rollout_num_gpus_per_engine
     return Placement(nodes=c.actor_num_nodes or 1, gpus_per_node=c.actor_num_gpus_per_node or 1,
-                     use_gpus=cfg.model.device == "cuda", engines=engines, gpus_per_engine=c.rollout_num_gpus_per_engine,
+                     use_gpus=cfg.model.device == "cuda", engines=engines,
+                     gpus_per_engine=c.rollout_num_gpus_per_engine,
                      colocate=c.colocate)
 
 
@@ -76,7 +78,8 @@ class ClusterRun:
         if p.colocate:  # engine i in trainer rank i's bundle
             pg = self.trainer_pg
         else:
-            flags = f"--rollout-num-gpus {p.engines * p.gpus_per_engine} --rollout-num-gpus-per-engine {p.gpus_per_engine}"
+            flags = (f"--rollout-num-gpus {p.engines * p.gpus_per_engine} "
+                     f"--rollout-num-gpus-per-engine {p.gpus_per_engine}")
             pg = reserve(self.ray, engine_bundles(p), what="engines", flags=flags, timeout=PLACE_TIMEOUT_S)
         share = 1 - p.trainer_share if p.colocate else float(p.gpus_per_engine)
         resources = {"num_gpus": share, "num_cpus": share if p.colocate else 1} if p.use_gpus else {"num_cpus": share}
@@ -90,6 +93,7 @@ class ClusterRun:
             worker.node = node
         if not p.use_gpus:  # CPU servers: a core each (colocated, the rank's), not every core of the host
             options = {**options, "cpu_threads": max(1, int(resources["num_cpus"] or 1))}
+        options = {**options, "tensor_parallel": p.gpus_per_engine}  # a vLLM server over its bundle's GPUs
         urls = self.supervisor.call(self.engines, "start", backend, model_dir, options)
         logger.info("Engines: %d %s server(s) on Ray (%s), %s", len(urls), backend,
                     "colocated with the trainer ranks" if p.colocate else "on their own bundles", ", ".join(urls))

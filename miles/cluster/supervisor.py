@@ -53,7 +53,11 @@ class Supervisor:
                 self._log_stuck(list(pending.values()), what)
                 break
         if first_failure is not None:
-            raise crashed(first_failure[0], first_failure[1], what)
+            error = crashed(first_failure[0], first_failure[1], what)
+            if pending:
+                error.args = (f"{error.args[0]}; still running {self.grace:.0f} s later (stuck; stacks in the log): "
+                              f"{', '.join(w.name for w in pending.values())}",)
+            raise error
         return [results[ref] for ref in refs]
 
     def _log_stuck(self, stuck: list[Worker], what: str) -> None:
@@ -61,7 +65,8 @@ class Supervisor:
             try:
                 stack = self.ray.get(worker.actor.stacks.remote(), timeout=10)
             except Exception as e:
-                stack = f"(no stack: {type(e).__name__})"
+                stack = (f"(no stack: no answer in 10 s ({type(e).__name__}): its process is stopped, or stuck "
+                         f"outside Python)")
             logger.error("%s had not finished %s %.0f s after another worker failed; its stacks:\n%s", worker.name,
                          what, self.grace, stack.rstrip())
 
@@ -86,6 +91,7 @@ def first_error(log: str | None) -> str | None:
 
 
 def _ray_reason(error: BaseException) -> str:
-    """Ray's own account (how the process died, or the remote exception), on one line."""
-    text = " ".join(str(error).split())
-    return text[:400] if text else type(error).__name__
+    """Ray's own account on one line: how the process died, or the remote exception's last line
+    (`Type: message`, after Ray's traceback)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1][:400] if lines else type(error).__name__

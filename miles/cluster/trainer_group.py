@@ -37,7 +37,8 @@ class TrainerGroup:
         for rank in range(placement.world_size):
             handle = actor.options(**resources, **in_bundle(self.pg, rank), name=None).remote(
                 rank, placement.world_size, str(log_dir / f"trainer_rank_{rank}.log"))
-            self.workers.append(Worker(f"trainer rank {rank}", handle, {"log": str(log_dir / f"trainer_rank_{rank}.log")}))
+            self.workers.append(Worker(f"trainer rank {rank}", handle,
+                                       {"log": str(log_dir / f"trainer_rank_{rank}.log")}))
         for worker, node in zip(self.workers, self.supervisor.call(self.workers, "node")):
             worker.node = node
         self.rank0 = self.workers[0]

@@ -1,6 +1,7 @@
 """`DiskTransport`: the trainer's weights written once, loaded by every server.
 
-Each sync has the source (the trainer: rank 0 of a sharded one) write the policy in HF layout (safetensors, tied weights once, config.json) under
+Each sync has the source (the trainer: rank 0 of a sharded one) write the policy in HF layout
+(safetensors, tied weights once, config.json) under
 `directory/step_N`, atomically (a server never loads a half-written file), asks the receiver (a
 `RemoteEngine`: every server) to load it with the step as weight_version, then deletes the
 previous step's copy: one copy of the weights on disk at a time.
@@ -49,7 +50,8 @@ def write_hf_weights(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]
                      untie: bool = False) -> tuple[int, int]:
     """`state_dict` (whole tensors) in `model`'s HF layout into `directory`: safetensors, tied
     weights once, config.json. Returns (parameters, bytes) written."""
-    model.save_pretrained(directory, state_dict=dict(state_dict), safe_serialization=True)  # it drops tied keys in place
+    # A copy: save_pretrained drops tied keys from the dict it is given.
+    model.save_pretrained(directory, state_dict=dict(state_dict), safe_serialization=True)
     if untie:
         _write_untied(model, state_dict, directory)
     unique = {t.data_ptr(): t for t in state_dict.values()}  # a tied tensor once

@@ -67,9 +67,10 @@ def vllm_python(given: str | None) -> str:
 
 def server_command(backend: str, model_dir: str, port: int, *, precision: str, seed: int, max_model_len: int,
                    python: str | None, weight_version: int, device: str, cpu_threads: int | None = None,
-                   mem_fraction: float | None = None) -> tuple[list[str], dict[str, str]]:
+                   mem_fraction: float | None = None, tensor_parallel: int = 1) -> tuple[list[str], dict[str, str]]:
     """The command line and extra environment of one server on `device` (cpu | cuda); `cpu_threads`
-    is for `miles serve` on a CPU, `mem_fraction` for a GPU."""
+    is for `miles serve` on a CPU, `mem_fraction` for a GPU, `tensor_parallel` (devices per server)
+    for vLLM (`miles serve` runs on one device: the CLI refuses more)."""
     gpu = device == "cuda"
     if backend == "sglang":
         command = [sys.executable, "-m", "miles", "serve", "--hf-checkpoint", model_dir, "--port", str(port),
@@ -85,6 +86,8 @@ def server_command(backend: str, model_dir: str, port: int, *, precision: str, s
                "127.0.0.1", "--port", str(port), "--dtype", dtype, "--enforce-eager", "--seed", str(seed),
                "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs",
                "--disable-uvicorn-access-log"]
+    if tensor_parallel > 1:
+        command += ["--tensor-parallel-size", str(tensor_parallel)]
     if gpu:  # on a CPU --gpu-memory-utilization is a share of the host's RAM, and sleep mode refuses to start
         command += ["--enable-sleep-mode"]
         if mem_fraction is not None:
@@ -133,7 +136,7 @@ class ServerFleet:
 
     def __init__(self, backend: str, model_dir: str, n: int, *, log_dir: str, start_timeout: float, precision: str,
                  seed: int, max_model_len: int, python: str | None, weight_version: int, device: str | None = None,
-                 mem_fraction: float | None = None, cpu_threads: int | None = None):
+                 mem_fraction: float | None = None, cpu_threads: int | None = None, tensor_parallel: int = 1):
         self.backend, self.model_dir, self.n = backend, model_dir, n
         self.log_dir, self.start_timeout = Path(log_dir), start_timeout
         device = device or default_device()
@@ -142,7 +145,7 @@ class ServerFleet:
                         backend, device)
         self.options = dict(precision=precision, seed=seed, max_model_len=max_model_len, python=python,
                             weight_version=weight_version, device=device, mem_fraction=mem_fraction,
-                            cpu_threads=cpu_threads or max(1, host_cores() // n))
+                            cpu_threads=cpu_threads or max(1, host_cores() // n), tensor_parallel=tensor_parallel)
         self.servers: list[Launched] = []
 
     def __enter__(self) -> ServerFleet:

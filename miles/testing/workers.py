@@ -1,0 +1,20 @@
+"""Stand-in Ray workers for supervisor tests (in the package, so Ray workers can import them)."""
+
+from __future__ import annotations
+
+import time
+
+
+class FailOrHang:
+    """`call("fail")` raises; `call("hang")` never returns, as a rank in a collective whose peer is gone."""
+
+    def call(self, method: str):
+        if method == "fail":
+            raise RuntimeError("this rank failed first")
+        while True:
+            time.sleep(0.1)
+
+    def stacks(self) -> str:
+        from miles.cluster.trainer_worker import TrainerWorker
+
+        return TrainerWorker.stacks(self)
