@@ -75,6 +75,7 @@ def test_two_ranks_train_like_one(one_rank, two_ranks):
     assert "Trainer: 2 ranks (each a CPU rank on gloo (no GPU on this host))" in log
     assert "FSDP2" in log
     assert (run / "workers" / "trainer_rank_1.log").read_text().count("process group joined") == 1
+    assert "(trainer policy, on 2 ranks)" in log  # the ranks' loads, said once in the driver's log
     one, two = rows(one_rank), rows(run)
     assert [r["step"] for r in two] == [1, 2]
     for a, b in zip(one, two):
@@ -158,18 +159,23 @@ def test_killed_rank_is_worker_crashed(tiny_args, tmp_path):
 
 
 def test_two_ranks_with_engine_servers_on_ray(tiny_args, tmp_path):
-    """Disaggregated: 2 trainer ranks, 1 `miles serve` owned by an engine actor on its own bundle;
-    weights reach it through the disk transport and are verified by digest each step."""
+    """Disaggregated: 2 trainer ranks (and a sharded reference model), 1 `miles serve` owned by an
+    engine actor on its own bundle; weights reach it through the disk transport and are verified by
+    digest each step; `miles doctor` finds nothing wrong with the run."""
     run = tmp_path / "run"
+    # Temperature 0.5: the random tiny model's samples then pass the response-NLL check (no WARN).
     result = miles(tiny_args + ["--actor-num-gpus-per-node", "2", "--rollout-backend", "sglang",
-                                "--rollout-num-gpus", "1", "--check-weight-update-equal",
-                                "--sglang-log-dir", str(tmp_path / "servers")])
+                                "--rollout-num-gpus", "1", "--check-weight-update-equal", "--rollout-temperature", "0.5",
+                                "--use-kl-loss", "--kl-loss-coef", "0.1", "--sglang-log-dir", str(tmp_path / "servers")])
     assert result.returncode == 0, result.stderr[-3000:]
     text = (run / "train.log").read_text()
     assert "Engines: 1 sglang server(s) on Ray (on their own bundles)" in text
     assert text.count("weight_sync step=") == 2 and text.count("checksum_ok=true") == 2
     assert [r["step"] for r in rows(run)] == [1, 2]
     assert "Started sglang server" in (run / "workers" / "engine_0.log").read_text()
+    assert "(reference model, on 2 ranks)" in text
+    doctor = miles(["doctor", str(run), "--json"], timeout=120)
+    assert json.loads(doctor.stdout)["findings"] == [] and doctor.returncode == 0, doctor.stdout[-2000:]
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -94,4 +94,5 @@ def _ray_reason(error: BaseException) -> str:
     """Ray's own account on one line: how the process died, or the remote exception's last line
     (`Type: message`, after Ray's traceback)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[-1][:400] if lines else type(error).__name__
+    last = lines[-1].split(" Some common causes include")[0] if lines else type(error).__name__
+    return last[:200]

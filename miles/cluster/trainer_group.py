@@ -48,6 +48,11 @@ class TrainerGroup:
         memory = self._all("setup", cfg, weights=str(weights), base=str(base), master=master, timeout_s=timeout_s,
                            use_gpus=self.placement.use_gpus, prepare=prepare)
         self.memory = memory[0]
+        # Each rank loaded them (its own log says so); the driver's log says it once for the group.
+        logger.info("Loaded checkpoint from %s (trainer policy, on %d ranks)", weights, len(self.workers))
+        if cfg.train.needs_ref:
+            logger.info("Loaded checkpoint from %s (reference model, on %d ranks)", cfg.model.ref_load or base,
+                        len(self.workers))
         nodes = sorted({w.node["node_ip"] for w in self.workers})
         kind = "GPU" if self.placement.use_gpus else "CPU rank on gloo (no GPU on this host)"
         logger.info("Trainer: %d ranks (each a %s) on %d node(s) %s, FSDP2; rank 0 at %s:%d; logs in %s",

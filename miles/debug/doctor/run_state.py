@@ -263,6 +263,9 @@ def _error(c: Corpus, run: RunState) -> Finding:
     message = _body(log.lines[i]).split("error: ", 1)[1]
     if re.search(r"check failed|consecutive steps with non-finite", message, re.IGNORECASE):
         culprit = "a check the run was told to make fatal failed (exit 3): the message names the lines to read"
+    elif message.startswith("WorkerCrashed:"):
+        culprit = ("a Ray-hosted worker died or failed (exit 1): the message names it, its node and its first "
+                   "error; its own log is under OUTPUT_DIR/workers/")
     elif re.search(r"No space left|Read-only file system|quota exceeded|\bwriting\b", message, re.IGNORECASE):
         culprit = "a write failed (exit 1): the disk is full or read-only, or the directory went away"
     else:
