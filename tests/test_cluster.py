@@ -113,12 +113,18 @@ def test_checkpoint_resumes_at_another_rank_count(one_rank, two_ranks, tiny_mode
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < TOLERANCE
 
 
-def signal_rank_1_mid_run(args: list[str], run: Path, sig: int) -> tuple[subprocess.CompletedProcess, float, int]:
-    """Starts a long 2-rank run, sends `sig` to rank 1 once the first checkpoint is saved, and waits
-    for the run to end. Returns (its result, seconds from the signal to the end, rank 1's pid), once
-    it has checked that no Ray process outlived the run."""
+RANK_1 = ("trainer_rank_1.log", r"pid (\d+) \(")  # where a worker's pid is logged
+SERVER = ("engine_0.log", r"Started sglang server 1 of 1: \S+ \(pid (\d+)")
+
+
+def signal_rank_1_mid_run(args: list[str], run: Path, sig: int, target=RANK_1,
+                          ranks: int = 2) -> tuple[subprocess.CompletedProcess, float, int]:
+    """Starts a long run of `ranks` trainer ranks, sends `sig` to the target (rank 1, or the server
+    of engine 0) once the first checkpoint is saved, and waits for the run to end. Returns (its
+    result, seconds from the signal to the end, the target's pid), once it has checked that no Ray
+    process outlived the run."""
     before = ray_processes()
-    args = args + ["--num-rollout", "200", "--save-interval", "1", "--actor-num-gpus-per-node", "2"]
+    args = args + ["--num-rollout", "200", "--save-interval", "1", "--actor-num-gpus-per-node", str(ranks)]
     process = subprocess.Popen([sys.executable, "-m", "miles", *args], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     try:
@@ -127,7 +133,7 @@ def signal_rank_1_mid_run(args: list[str], run: Path, sig: int) -> tuple[subproc
         while not (log.is_file() and "Saved checkpoint" in log.read_text()):
             assert process.poll() is None and time.monotonic() < deadline, "the run did not reach its first save"
             time.sleep(0.5)
-        pid = int(re.search(r"pid (\d+) \(", (run / "workers" / "trainer_rank_1.log").read_text()).group(1))
+        pid = int(re.search(target[1], (run / "workers" / target[0]).read_text()).group(1))
         os.kill(pid, sig)
         sent = time.monotonic()
         stdout, stderr = process.communicate(timeout=180)
@@ -268,3 +274,15 @@ def test_a_frozen_rank_is_a_timeout_not_a_freeze(tiny_args, tmp_path):
     text = (run / "train.log").read_text()
     assert "WorkerCrashed: trainer rank 0" in text and "Timed out" in text
     assert "trainer rank 1 had not finished" in text and "(stuck; stacks in the log): trainer rank 1" in text
+
+
+def test_a_dead_engine_server_is_worker_crashed(tiny_args, tmp_path):
+    """SIGKILL the server an engine actor owns: the next rollout's failed requests become
+    WorkerCrashed naming engine 0 and its exited server, exit 1, nothing left behind."""
+    run = tmp_path / "run"
+    flags = ["--rollout-backend", "sglang", "--rollout-num-gpus", "1", "--rollout-request-retries", "1",
+             "--sglang-log-dir", str(tmp_path / "servers")]
+    result, seconds, _ = signal_rank_1_mid_run(tiny_args + flags, run, signal.SIGKILL, target=SERVER, ranks=1)
+    assert seconds < 120 and result.returncode == 1
+    text = (run / "train.log").read_text()
+    assert "WorkerCrashed: engine 0 on node" in text and "its server process exited" in text
