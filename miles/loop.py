@@ -102,9 +102,9 @@ def run_training(cfg: Configs, data: PromptData | None, reward_fn: RewardFn | No
         log_stop(c, cfg, stop)
         raise
     except RunFailed as e:  # an engine request failed: on Ray, say which engine actor died, if one did
-        explained = c.cluster.explain(e) if c is not None and c.cluster is not None else e
-        if explained is not e and not isinstance(e, WorkerCrashed):
-            raise explained from e
+        if c is not None and c.cluster is not None and not isinstance(e, WorkerCrashed):
+            if (explained := c.cluster.explain(e)) is not e:
+                raise explained from e
         raise
     finally:
         signals.restore()

@@ -38,33 +38,24 @@ class Colocated(Apart):
         self.seconds = 0.0  # time spent handing the device over, this step
 
     def for_rollout(self) -> None:
-        start = time.perf_counter()
-        if not self.engine_loaded:
-            self.engine.resume_memory()
-            self.engine_loaded = True
-        if self.trainer_loaded:
-            self.trainer.offload()
-            self.trainer_loaded = False
-        self.seconds += time.perf_counter() - start
+        self._turn(engine=True, trainer=False)
 
     def for_training(self) -> None:
-        start = time.perf_counter()
-        if self.engine_loaded:
-            self.engine.release_memory()
-            self.engine_loaded = False
-        if not self.trainer_loaded:
-            self.trainer.onload()
-            self.trainer_loaded = True
-        self.seconds += time.perf_counter() - start
+        self._turn(engine=False, trainer=True)
 
     def for_sync(self) -> None:
+        self._turn(engine=True, trainer=True)
+
+    def _turn(self, *, engine: bool, trainer: bool) -> None:
+        """Brings each side to loaded or not, the engine first (it frees or takes the room the
+        trainer then takes or frees)."""
         start = time.perf_counter()
-        if not self.engine_loaded:
-            self.engine.resume_memory()
-            self.engine_loaded = True
-        if not self.trainer_loaded:
-            self.trainer.onload()
-            self.trainer_loaded = True
+        if self.engine_loaded != engine:
+            (self.engine.resume_memory if engine else self.engine.release_memory)()
+            self.engine_loaded = engine
+        if self.trainer_loaded != trainer:
+            (self.trainer.onload if trainer else self.trainer.offload)()
+            self.trainer_loaded = trainer
         self.seconds += time.perf_counter() - start
 
     def take_seconds(self) -> float:

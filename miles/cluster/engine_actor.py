@@ -13,15 +13,15 @@ import os
 import socket
 from pathlib import Path
 
+from miles.cluster.supervisor import log_to, python_stacks
+
 logger = logging.getLogger("miles")
 
 
 class EngineActor:
     def __init__(self, index: int, log_file: str):
-        from miles.cluster.trainer_worker import _log_to
-
         self.index, self.log_file, self.fleet = index, log_file, None
-        _log_to(Path(log_file), f"engine {index}")
+        log_to(Path(log_file), f"engine {index}")
 
     def node(self) -> dict:
         import ray
@@ -55,4 +55,4 @@ class EngineActor:
             self.fleet = None
 
     def stacks(self) -> str:
-        return ""
+        return python_stacks()

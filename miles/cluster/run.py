@@ -14,7 +14,7 @@ from pathlib import Path
 
 from miles.cluster.placement import Placement, engine_bundles, in_bundle, reserve, trainer_bundles
 from miles.cluster.ray_cluster import ray_session
-from miles.cluster.supervisor import Supervisor, Worker
+from miles.cluster.supervisor import Supervisor, Worker, crashed
 from miles.cluster.trainer_group import TrainerGroup
 from miles.config import Configs
 from miles.errors import WorkerCrashed
@@ -39,7 +39,7 @@ def placement_of(cfg: Configs) -> Placement:
     if cfg.engines.backend != "local" and not cfg.engines.urls:
         per_engine = c.rollout_num_gpus_per_engine
         gpus = c.rollout_num_gpus or (c.ranks if c.colocate else cfg.engines.num_engines * per_engine)
-        engines = gpus // c.rollout_num_gpus_per_engine
+        engines = gpus // per_engine
     return Placement(nodes=c.actor_num_nodes or 1, gpus_per_node=c.actor_num_gpus_per_node or 1,
                      use_gpus=cfg.model.device == "cuda", engines=engines,
                      gpus_per_engine=c.rollout_num_gpus_per_engine,
@@ -105,24 +105,14 @@ class ClusterRun:
             try:
                 alive = self.ray.get(worker.actor.call.remote("alive"), timeout=10)
             except Exception as e:
-                return self._crashed(worker, e)
+                return crashed(worker, e, "rollout")
             if not alive:
                 return WorkerCrashed(f"WorkerCrashed: {worker.name} on node {worker.node.get('node_ip')}: its server "
                                      f"process exited ({error}); its log: {worker.node.get('log')}")
         return error
 
-    def _crashed(self, worker: Worker, error: Exception) -> WorkerCrashed:
-        from miles.cluster.supervisor import crashed
-
-        return crashed(worker, error, "rollout")
-
     def _stop_engines(self, pg) -> None:
-        for worker in self.engines:
-            try:
-                self.ray.get(worker.actor.call.remote("stop"), timeout=30)
-            except Exception:
-                pass
-            self.ray.kill(worker.actor, no_restart=True)
+        self.supervisor.end(self.engines, "stop", timeout=30)
         if pg is not None:
             _remove(pg)
 

@@ -10,7 +10,10 @@ the first ERROR line of its own log (or Ray's account of how its process died).
 from __future__ import annotations
 
 import logging
+import sys
+import threading
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +63,16 @@ class Supervisor:
             raise error
         return [results[ref] for ref in refs]
 
+    def end(self, workers: list[Worker], method: str, timeout: float) -> None:
+        """Asks every worker to wind down (`method`, all at once, for up to `timeout` s), then ends
+        its process whatever it answered: a dead or stuck worker is not waited for."""
+        try:
+            self.ray.get([w.actor.call.remote(method) for w in workers], timeout=timeout)
+        except Exception:
+            pass
+        for w in workers:
+            self.ray.kill(w.actor, no_restart=True)
+
     def _log_stuck(self, stuck: list[Worker], what: str) -> None:
         for worker in stuck:
             try:
@@ -96,3 +109,25 @@ def _ray_reason(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     last = lines[-1].split(" Some common causes include")[0] if lines else type(error).__name__
     return last[:200]
+
+
+# -- what runs inside a worker, for the supervisor to read ------------------------------------------
+
+def log_to(path: Path, who: str) -> None:
+    """Sends the worker's `miles` logger to `path` (what `first_error` reads) and to stderr, which
+    Ray forwards to the driver's console; each line tagged with `who` ("rank 1", "engine 0")."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter(f"%(asctime)s %(levelname)s [{who}] %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+    logger.handlers.clear()
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    for handler in (logging.FileHandler(path), logging.StreamHandler(sys.stderr)):
+        handler.setFormatter(fmt)
+        logger.addHandler(handler)
+
+
+def python_stacks() -> str:
+    """Every other thread's Python stack: what a worker's `stacks()` answers while its busy thread is stuck."""
+    me = threading.get_ident()
+    return "\n".join(f"thread {ident}:\n" + "".join(traceback.format_stack(frame))
+                     for ident, frame in sys._current_frames().items() if ident != me)

@@ -35,10 +35,9 @@ class TrainerGroup:
         actor = ray.remote(max_concurrency=2, max_restarts=0)(TrainerWorker)
         self.workers: list[Worker] = []
         for rank in range(placement.world_size):
-            handle = actor.options(**resources, **in_bundle(self.pg, rank), name=None).remote(
-                rank, placement.world_size, str(log_dir / f"trainer_rank_{rank}.log"))
-            self.workers.append(Worker(f"trainer rank {rank}", handle,
-                                       {"log": str(log_dir / f"trainer_rank_{rank}.log")}))
+            log = str(log_dir / f"trainer_rank_{rank}.log")
+            handle = actor.options(**resources, **in_bundle(self.pg, rank)).remote(rank, placement.world_size, log)
+            self.workers.append(Worker(f"trainer rank {rank}", handle, {"log": log}))
         for worker, node in zip(self.workers, self.supervisor.call(self.workers, "node")):
             worker.node = node
         self.rank0 = self.workers[0]
@@ -118,9 +117,4 @@ class TrainerGroup:
 
     def close(self) -> None:
         """Leaves the process group where it can, then ends every rank."""
-        try:
-            self.ray.get([w.actor.call.remote("shutdown") for w in self.workers], timeout=10)
-        except Exception:
-            pass  # a dead or stuck rank: killed below
-        for w in self.workers:
-            self.ray.kill(w.actor, no_restart=True)
+        self.supervisor.end(self.workers, "shutdown", timeout=10)

@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
-import threading
 import traceback
 from datetime import timedelta
 from pathlib import Path
+
+from miles.cluster.supervisor import log_to, python_stacks
 
 logger = logging.getLogger("miles")
 
@@ -26,7 +26,7 @@ class TrainerWorker:
         self.rank, self.world_size, self.log_file = rank, world_size, log_file
         self.trainer = self.tokenizer = None
         self.device = "cpu"
-        _log_to(Path(log_file), f"rank {rank}")
+        log_to(Path(log_file), f"rank {rank}")
 
     def node(self) -> dict:
         import ray
@@ -139,12 +139,7 @@ class TrainerWorker:
     # -- what the supervisor asks while a call may be stuck ---------------------------------------
 
     def stacks(self) -> str:
-        """Every thread's Python stack, the busy one first."""
-        frames = sys._current_frames()
-        me = threading.get_ident()
-        parts = [f"thread {ident}:\n" + "".join(traceback.format_stack(frame))
-                 for ident, frame in frames.items() if ident != me]
-        return "\n".join(parts)
+        return python_stacks()
 
 
 def _move(trainer, device: str) -> dict:
@@ -164,14 +159,3 @@ def _move(trainer, device: str) -> dict:
         torch.cuda.empty_cache()
     after = torch.cuda.memory_allocated() / 2**20 if torch.cuda.is_available() else 0.0
     return {"device_mib_before": before, "device_mib_after": after}
-
-
-def _log_to(path: Path, who: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fmt = logging.Formatter(f"%(asctime)s %(levelname)s [{who}] %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
-    logger.handlers.clear()
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-    for handler in (logging.FileHandler(path), logging.StreamHandler(sys.stderr)):
-        handler.setFormatter(fmt)
-        logger.addHandler(handler)

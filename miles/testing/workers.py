@@ -15,6 +15,6 @@ class FailOrHang:
             time.sleep(0.1)
 
     def stacks(self) -> str:
-        from miles.cluster.trainer_worker import TrainerWorker
+        from miles.cluster.supervisor import python_stacks
 
-        return TrainerWorker.stacks(self)
+        return python_stacks()

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from miles.bridge.transports.disk import write_hf_weights
 from miles.errors import CheckFailed, UsageError
 from miles.utils.io import atomic_dir
 from miles.utils.run_dirs import TRAINER_STATE, step_dirs
@@ -43,7 +44,7 @@ def save_checkpoint(root: str | Path, step: int, model, tokenizer, trainer_state
                           f"checkpoint on disk is untouched); the weights were loaded that way or a step went wrong")
     target = Path(root) / f"step_{step}"
     with atomic_dir(target) as tmp:  # `.step_N.tmp-*` until complete
-        model.save_pretrained(tmp, state_dict=dict(state_dict))  # a copy: it drops tied keys in place
+        write_hf_weights(model, state_dict, tmp)
         tokenizer.save_pretrained(tmp)
         torch.save({**trainer_state, "step": step}, tmp / TRAINER_STATE)
     logger.info("Saved checkpoint to %s", target)
