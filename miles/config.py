@@ -150,7 +150,13 @@ class EngineConfig:
     start_timeout: float
     """Seconds a server miles starts may take to become healthy."""
     mem_fraction_static: float | None
-    """The share of each GPU a server miles starts may take (None: the server's default)."""
+    """The share of each GPU an engine miles runs may take (None: the engine's default)."""
+    local_decoder: str
+    """The local engine's decode path: fast | hf."""
+    cuda_graphs: bool
+    """The local engine's fast path replays its decode steps as CUDA graphs (on a GPU)."""
+    torch_compile: bool
+    """The local engine's fast path runs its layers through torch.compile."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,7 +213,8 @@ def build_configs(args: argparse.Namespace) -> Configs:
             backend=a.rollout_backend, urls=tuple(a.sglang_url or a.vllm_url or ()), num_engines=a.rollout_num_engines,
             vllm_python=a.vllm_python, log_dir=a.sglang_log_dir, concurrency=a.sglang_server_concurrency,
             request_timeout=a.rollout_request_timeout, retries=a.rollout_request_retries,
-            start_timeout=a.engine_start_timeout, mem_fraction_static=a.sglang_mem_fraction_static),
+            start_timeout=a.engine_start_timeout, mem_fraction_static=a.sglang_mem_fraction_static,
+            local_decoder=a.local_decoder, cuda_graphs=not a.disable_cuda_graph, torch_compile=a.enable_torch_compile),
         train=TrainConfig(
             num_steps_per_rollout=a.num_steps_per_rollout, global_batch_size=a.global_batch_size,
             micro_batch_size=a.micro_batch_size, lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad,

@@ -400,7 +400,9 @@ def build_engine(path, tokenizer, cfg: Configs, *, weight_version: int, closers:
                        work_dir=Path(cfg.run.output_dir) / "engine_weights", launch=launch, device=model_cfg.device,
                        mem_fraction=cfg.engines.mem_fraction_static)
     load = dict(device=model_cfg.device, attention_backend=model_cfg.attention_backend)
-    common = dict(pad_token_id=tokenizer.pad_token_id, weight_version=weight_version)
+    engines = cfg.engines
+    common = dict(pad_token_id=tokenizer.pad_token_id, weight_version=weight_version, decoder=engines.local_decoder,
+                  cuda_graphs=engines.cuda_graphs, compile=engines.torch_compile, mem_fraction=engines.mem_fraction_static)
     if not cfg.debug.true_on_policy_mode:
         dtype = torch.bfloat16 if model_cfg.precision == "bf16" else torch.float32
         model = load_causal_lm(path, dtype=dtype, **load)

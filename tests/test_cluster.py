@@ -194,7 +194,9 @@ def test_two_ranks_with_engine_servers_on_ray(tiny_args, tmp_path):
     (["--actor-num-gpus-per-node", "0"], "--actor-num-gpus-per-node must be > 0"),
     (["--rollout-backend", "sglang", "--sglang-mem-fraction-static", "1.5"], "must be in (0, 1]"),
     (["--rollout-backend", "sglang", "--sglang-mem-fraction-static", "nan"], "must be in (0, 1]"),
-    (["--sglang-mem-fraction-static", "0.5"], "sizes the servers miles starts"),
+    (["--rollout-backend", "sglang", "--sglang-url", "http://127.0.0.1:1", "--sglang-mem-fraction-static", "0.5"],
+     "sizes the engines miles runs"),
+    (["--rollout-backend", "sglang", "--disable-cuda-graph"], "is for the local engine"),
 ])
 def test_cluster_flag_errors(tiny_args, flags, message):
     result = miles(tiny_args + flags, timeout=60)

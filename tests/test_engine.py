@@ -203,13 +203,24 @@ def eager_decode(model, prompts, sampling, uniforms, eos, pad):
     return outputs
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
+DECODE_PATHS = {"fast": dict(decoder="fast"), "fast, 3 slots": dict(decoder="fast"),
+                "hf dynamic": dict(decoder="hf", cache="dynamic"), "hf static": dict(decoder="hf", cache="static")}
+
+
+@pytest.mark.parametrize("model_kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("path", list(DECODE_PATHS))
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])
-def test_kv_cache_decode_matches_the_eager_reference(tiny_model, cache, temperature, top_p):
-    """Left-padded batch, KV cache (dynamic, or static at its final shape from the start), per-row
-    stop: the same tokens as decoding each prompt alone without a cache, log-probs within fp32 noise."""
-    plain, tok = make_engine(tiny_model)
-    engine = LocalEngine(plain.model, eos_token_ids=plain.eos_token_ids, pad_token_id=tok.pad_token_id, cache=cache)
+def test_kv_cache_decode_matches_the_eager_reference(tiny_model, tiny_qwen, path, model_kind, temperature, top_p):
+    """Both decode paths (fast: packed prefill, slot KV cache, continuous batching; with 3 slots for
+    16 requests, so rows wait, take freed slots and move down; hf: left-padded batch through the
+    model's own dynamic or static cache) give the tokens of decoding each prompt alone without a
+    cache, log-probs within fp32 noise, each row stopping on its own."""
+    plain, tok = make_engine(tiny_model if model_kind == "llama" else tiny_qwen)
+    engine = LocalEngine(plain.model, eos_token_ids=plain.eos_token_ids, pad_token_id=tok.pad_token_id,
+                         **DECODE_PATHS[path])
+    assert (engine.runner is not None) == path.startswith("fast")
+    if path == "fast, 3 slots":
+        engine.decoder.max_slots = lambda length: 3
     prompts = [tok(t)["input_ids"] for t in ("hello", "a much longer prompt", "x", "what is seven plus two?")] * 4
     sampling = sp(40, temperature, top_p)
     u = torch.rand(len(prompts), 40, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
@@ -219,4 +230,6 @@ def test_kv_cache_decode_matches_the_eager_reference(tiny_model, cache, temperat
         assert out.token_ids == tokens
         assert out.log_probs == pytest.approx(logps, abs=1e-5)
         assert out.finish_reason == ("stop" if tokens[-1] in engine.eos_token_ids else "length")
-    assert {o.finish_reason for o in got} == {"stop", "length"} or temperature == 0
+    assert {o.finish_reason for o in got} == {"stop", "length"} or temperature == 0 or model_kind == "qwen2"
+    if path == "fast, 3 slots":
+        assert engine.runner.cache.slots == 3

@@ -1,5 +1,6 @@
-"""The CUDA paths (skipped without a GPU): the decode loop's device-side stop state and stop
-checks every 16 steps, static cache included, and a bf16 run end to end."""
+"""The CUDA paths (skipped without a GPU): the fast decode path (CUDA graphs, varlen prefill) against
+the eager reference and the trainer, the HF path's device-side stop state and stop checks every 16
+steps, static cache included, and a bf16 run end to end."""
 
 import pytest
 import torch
@@ -12,11 +13,73 @@ from test_train import metrics, run
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+PROMPTS = ("hello", "a much longer prompt", "x", "what is seven plus two?")
+
+
+@pytest.mark.parametrize("slots", [None, 3])
+def test_fast_path_on_cuda_matches_the_eager_reference(tiny_model, slots):
+    """fp32 on the GPU, CUDA graphs on (and 3 slots for 16 requests: rows wait, take freed slots
+    and move down): the tokens of decoding each prompt alone without a cache, log-probs within fp32 noise."""
+    tok = load_tokenizer(tiny_model)
+    model = load_causal_lm(tiny_model, device="cuda", attention_backend="sdpa")
+    engine = LocalEngine(model, eos_token_ids=eos_token_ids(model, tok), pad_token_id=tok.pad_token_id)
+    if slots:
+        engine.decoder.max_slots = lambda length: slots
+    prompts = [tok(t)["input_ids"] for t in PROMPTS] * 4
+    sampling = sp(40, 1.0, 1.0)
+    u = torch.rand(len(prompts), 40, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    got = engine.decode(prompts, sampling, u)
+    assert engine.runner.cuda_graphs and engine.runner._graphs  # the steps ran as graph replays
+    want = eager_decode(model, prompts, sampling, u, set(engine.eos_token_ids), tok.pad_token_id)
+    for out, (tokens, logps) in zip(got, want):
+        assert out.token_ids == tokens
+        assert out.log_probs == pytest.approx(logps, abs=1e-4)
+    assert {o.finish_reason for o in got} == {"stop", "length"}
+
+
+def test_cuda_graph_replay_equals_the_eager_fast_path_in_bf16(tiny_model):
+    """Same kernels, same shapes: a graph replay computes bit for bit what the eager step does."""
+    tok = load_tokenizer(tiny_model)
+    model = load_causal_lm(tiny_model, device="cuda", attention_backend="sdpa", dtype=torch.bfloat16)
+    prompts = [tok(t)["input_ids"] for t in PROMPTS] * 8
+    u = torch.rand(len(prompts), 48, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    runs = []
+    for graphs in (True, False):
+        engine = LocalEngine(model, eos_token_ids=eos_token_ids(model, tok), pad_token_id=tok.pad_token_id,
+                             cuda_graphs=graphs)
+        runs.append(engine.decode(prompts, sp(48, 1.0, 1.0), u))
+        assert bool(engine.runner._graphs) == graphs
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+    assert [o.log_probs for o in runs[0]] == [o.log_probs for o in runs[1]]
+
+
+def test_fast_bf16_log_probs_are_within_bf16_noise_of_the_trainer(tiny_model):
+    """The engine's bf16 log-probs of its own tokens against the trainer's (fp32 weights under bf16
+    autocast, the padded full forward) on the same tokens: bf16 rounding, not a different model."""
+    from miles.bridge.types import Sample
+    from miles.train.batch import TrainBatch, response_log_probs
+
+    tok = load_tokenizer(tiny_model)
+    model = load_causal_lm(tiny_model, device="cuda", attention_backend="sdpa", dtype=torch.bfloat16)
+    trainer_model = load_causal_lm(tiny_model, device="cuda", attention_backend="sdpa")
+    engine = LocalEngine(model, eos_token_ids=eos_token_ids(model, tok), pad_token_id=tok.pad_token_id)
+    prompts = [tok(t)["input_ids"] for t in PROMPTS] * 4
+    outs = engine.generate(prompts, sp(32, 1.0, 1.0), list(range(len(prompts))))
+    samples = [Sample(group_index=0, index=i, prompt="", tokens=p + o.token_ids, response_length=len(o.token_ids),
+                      loss_mask=[1] * len(o.token_ids)) for i, (p, o) in enumerate(zip(prompts, outs))]
+    batch = TrainBatch.from_samples(samples, tok.pad_token_id, "cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        trainer, _ = response_log_probs(trainer_model, batch, 1.0)
+    diffs = [abs(a - b) for i, o in enumerate(outs) for a, b in zip(o.log_probs, trainer[i].tolist())]
+    assert max(diffs) < 0.25 and sum(diffs) / len(diffs) < 0.02
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_cuda_decode_matches_the_eager_reference(tiny_model, cache):
     tok = load_tokenizer(tiny_model)
     model = load_causal_lm(tiny_model, device="cuda", attention_backend="sdpa")
-    engine = LocalEngine(model, eos_token_ids=eos_token_ids(model, tok), pad_token_id=tok.pad_token_id, cache=cache)
+    engine = LocalEngine(model, eos_token_ids=eos_token_ids(model, tok), pad_token_id=tok.pad_token_id,
+                         decoder="hf", cache=cache)
     assert engine.decoder.stop_check_every == 16
     prompts = [tok(t)["input_ids"] for t in ("hello", "a much longer prompt", "x", "what is seven plus two?")] * 4
     sampling = sp(40, 1.0, 1.0)

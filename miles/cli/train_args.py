@@ -73,9 +73,20 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rollout-request-retries", type=int, default=3, metavar="N",
                    help="attempts per request on a connection error, timeout or 5xx; 4xx is never retried (default: 3)")
     g.add_argument("--sglang-mem-fraction-static", type=float, default=None, metavar="F",
-                   help="the share of each GPU an engine server miles starts may take, in (0, 1]: --mem-fraction-static "
-                        "for miles serve / SGLang, --gpu-memory-utilization for vLLM; with --colocate leave room for the "
-                        "trainer (default: the server's own; no effect on CPU servers)")
+                   help="the share of each GPU an engine may take, in (0, 1]: for the local engine its weights plus KV "
+                        "cache (the cache is sized to the rollout, at most this share less what the process holds); "
+                        "--mem-fraction-static for miles serve / SGLang, --gpu-memory-utilization for vLLM servers miles "
+                        "starts; with --colocate leave room for the trainer (default: 0.9 local, the server's own "
+                        "otherwise; no effect on CPUs)")
+    g.add_argument("--local-decoder", choices=("fast", "hf"), default="fast",
+                   help="the local engine's decode path: fast (continuous batching over a slot KV cache, packed "
+                        "prefill, CUDA graphs on a GPU) or hf (the HF model's own forward and KV cache: the reference, "
+                        "to rule the fast path in or out); models the fast path cannot run use hf (default: fast)")
+    g.add_argument("--disable-cuda-graph", action="store_true",
+                   help="the local engine's decode steps run eagerly instead of as CUDA graph replays (as SGLang's flag)")
+    g.add_argument("--enable-torch-compile", action="store_true",
+                   help="the local engine's layers through torch.compile (fused elementwise kernels; compiles once at "
+                        "the first rollout; as SGLang's flag)")
     g.add_argument("--engine-start-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="seconds a server miles starts may take to answer its health check (default: 600)")
 
@@ -317,11 +328,17 @@ def _check_engine_flags(args: argparse.Namespace) -> None:
     fraction = args.sglang_mem_fraction_static
     if fraction is not None and not 0 < fraction <= 1:  # NaN fails this too
         raise UsageError(f"--sglang-mem-fraction-static {fraction:g}: must be in (0, 1]")
-    if fraction is not None and (backend == "local" or args.sglang_url or args.vllm_url):
-        raise UsageError("--sglang-mem-fraction-static sizes the servers miles starts: it needs --rollout-backend "
-                         "sglang|vllm without --sglang-url / --vllm-url (a server you started has its own flag)")
+    if fraction is not None and (args.sglang_url or args.vllm_url):
+        raise UsageError("--sglang-mem-fraction-static sizes the engines miles runs: drop it with --sglang-url / "
+                         "--vllm-url (a server you started has its own flag)")
     if backend == "local":
         return
+    for flag in ("disable_cuda_graph", "enable_torch_compile"):
+        if getattr(args, flag):
+            raise UsageError(f"--{flag.replace('_', '-')} is for the local engine (--rollout-backend local); a server "
+                             f"takes its own flags")
+    if args.local_decoder != "fast":
+        raise UsageError("--local-decoder is for the local engine (--rollout-backend local)")
     if args.true_on_policy_mode:
         raise UsageError(f"--true-on-policy-mode needs the engine to run the trainer's own kernels in the trainer's "
                          f"process: only --rollout-backend local can; drop it with --rollout-backend {backend}")

@@ -1,14 +1,19 @@
 """miles' own engine, in process: the reference implementation of the `Engine` seam.
 
 The engine owns its own copy of the weights, as a real inference engine does; the trainer
-reaches it only through `update_weights` (a `WeightTransport` calls it). Decoding is in
-`decode.py`; `--true-on-policy-mode` passes a `verifier` (true_on_policy.py) that checks each
+reaches it only through `update_weights` (a `WeightTransport` calls it). Two decode paths:
+`fast` (the default: continuous batching over a slot KV cache, packed prefill, CUDA graphs on a
+GPU; batching.py and runner.py) for the decoder families the runner knows, and `hf` (the HF
+model's forward through its own KV cache, decode.py), the reference, used for other models; `--true-on-policy-mode` passes a `verifier` (true_on_policy.py) that checks each
 rollout against the trainer's own computation. Only this engine takes one: the mode needs the
 trainer's kernels in the engine's process.
 
+The fast path's KV cache is sized to the call (slots for every request, as many as fit in
+`mem_fraction` of the GPU, less what the process holds already) and kept for the next call.
+
 Colocated with the trainer on one device, the engine gives its memory back between rollouts:
-`release_memory` moves the weights to the CPU and returns the allocator's cached blocks to the
-driver; `generate` then refuses until `resume_memory` moves them back. Weights updated meanwhile
+`release_memory` drops the KV cache and CUDA graphs, moves the weights to the CPU and returns the
+allocator's cached blocks to the driver; `generate` then refuses until `resume_memory` moves them back. Weights updated meanwhile
 are copied into the CPU copy and so reach the device at resume.
 """
 
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Iterable
 
 import torch
@@ -23,7 +29,9 @@ import torch
 from miles.config import SamplingParams
 from miles.bridge.weight_sync import TensorChecksum
 from miles.rollout.engine import GenerationOutput
+from miles.rollout.local.batching import ContinuousBatcher
 from miles.rollout.local.decode import Decoder
+from miles.rollout.local.runner import ModelRunner, unsupported_reason
 from miles.rollout.sampling import stream_uniforms
 from miles.utils import device_memory
 from miles.utils.digest import tensor_bytes_sha256
@@ -53,18 +61,46 @@ def fresh_buffers(model) -> dict[str, torch.Tensor]:
     return fresh
 
 
+DECODERS = ("fast", "hf")
+DEFAULT_MEM_FRACTION = 0.9  # of the GPU, for the weights and the KV cache (SGLang's static share)
+CPU_KV_SHARE = 0.25  # of the host's memory, for the KV cache on a CPU
+PREFILL_TOKENS = {"cuda": 16384, "cpu": 4096}  # packed prompt tokens per prefill forward
+
+
 class LocalEngine:
     def __init__(self, model, *, eos_token_ids: list[int], pad_token_id: int, autocast=contextlib.nullcontext,
-                 verifier=None, cache: str = "dynamic", weight_version: int = 0):
+                 verifier=None, decoder: str = "fast", cache: str = "dynamic", cuda_graphs: bool = True,
+                 compile: bool = False, mem_fraction: float | None = None, weight_version: int = 0):
+        """`decoder`: fast | hf (DECODERS; fast falls back to hf for a model it cannot run);
+        `cache`: the hf path's cache (decode.CACHES); `cuda_graphs`: the fast path's capture on a GPU
+        (off under an autocast context: true on-policy mode); `compile`: the fast path's layer
+        functions through torch.compile; `mem_fraction`: the GPU share for
+        weights and KV cache (default DEFAULT_MEM_FRACTION)."""
+        if decoder not in DECODERS:
+            raise ValueError(f"unknown decoder {decoder!r}; one of {DECODERS}")
         self.model = model.eval()
         self.autocast = autocast  # a context factory: the trainer's autocast in true on-policy mode
         self.verifier = verifier  # --true-on-policy-mode: a TrainerComputationVerifier
         self.weight_version = weight_version  # optimizer steps behind the weights held now
         self.eos_token_ids = eos_token_ids
         self.device = next(model.parameters()).device
+        self.mem_fraction = DEFAULT_MEM_FRACTION if mem_fraction is None else mem_fraction
         # On a GPU, check for finished rows every 16 steps (a host sync each); on the CPU a check is free.
-        self.decoder = Decoder(model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, cache=cache,
-                               stop_check_every=16 if self.device.type == "cuda" else 1)
+        check_every = 16 if self.device.type == "cuda" else 1
+        reason = unsupported_reason(model) if decoder == "fast" else None
+        if reason is not None:
+            logger.info("Engine: the fast decode path cannot run this model (%s); decoding with the HF model's "
+                        "own KV cache", reason)
+        self.runner = None
+        if decoder == "fast" and reason is None:
+            self.runner = ModelRunner(model, cuda_graphs=cuda_graphs and autocast is contextlib.nullcontext,
+                                      compile=compile)
+            self.decoder = ContinuousBatcher(self.runner, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+                                             check_every=check_every, max_slots=self._max_slots,
+                                             prefill_tokens=PREFILL_TOKENS.get(self.device.type, 4096))
+        else:
+            self.decoder = Decoder(model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, cache=cache,
+                                   stop_check_every=check_every)
         self._fresh_buffers = fresh_buffers(model)
         self.released = False  # the weights wait on the CPU (release_memory)
 
@@ -101,16 +137,34 @@ class LocalEngine:
     def memory_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
+    def _max_slots(self, length: int) -> int:
+        """The slots of `length` tokens the KV budget holds: on a GPU mem_fraction of it less what
+        the process holds besides the current cache, on a CPU CPU_KV_SHARE of the host's memory."""
+        held = self.runner.cache.nbytes() if self.runner.cache is not None else 0
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            budget = self.mem_fraction * total - (torch.cuda.memory_allocated(self.device) - held)
+        else:
+            budget = CPU_KV_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        slots = int(budget // self.runner.slot_bytes(length))
+        if slots < 1:
+            raise RuntimeError(f"the engine's KV cache has no room for one sequence of {length} tokens "
+                               f"({budget / (1 << 30):.2f} GiB left under mem_fraction {self.mem_fraction:g}); "
+                               "raise --sglang-mem-fraction-static or shorten --rollout-max-response-len")
+        return slots
+
     # -- device memory: given back between rollouts when the trainer shares the device --------------
 
     @torch.no_grad()
     def release_memory(self) -> None:
         """Parameters and buffers to the CPU (the same Parameter objects, so names and ties hold),
-        the allocator's cached blocks back to the driver; a no-op when already released. KV caches
-        live only within a decode call, so none is left to free."""
+        the KV cache and CUDA graphs dropped, the allocator's cached blocks back to the driver; a
+        no-op when already released."""
         if self.released:
             return
         before = device_memory.snapshot(self.device)
+        if self.runner is not None:
+            self.runner.release()  # the KV cache and graphs; the next rollout allocates and captures again
         self.model.to("cpu")
         device_memory.give_back(self.device)
         self.released = True

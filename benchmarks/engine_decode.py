@@ -1,0 +1,177 @@
+"""miles' engine decode vs HF `generate`, side by side in one run, on a random model of a real shape.
+
+    python benchmarks/engine_decode.py                      # GPU: Qwen2.5-0.5B shape, bf16
+    python benchmarks/engine_decode.py --batch 32 128 512 --repeats 3 --compiled
+    python benchmarks/engine_decode.py --device cpu --shape smol --batch 8 32 --new-tokens 64 --prompt-len 64
+
+Workload (the issue's): random prompts of --prompt-len token ids, --new-tokens new tokens each, EOS
+off (every row makes every token), temperature 1. Rows, each timed --repeats times after one
+warm-up at the same batch (which captures the CUDA graphs):
+  miles fast          LocalEngine.generate, the default path (CUDA graphs on a GPU)
+  miles fast eager    the same path without CUDA graphs
+  miles hf            LocalEngine's HF-forward path (the reference decode loop)
+  HF generate         model.generate(do_sample=True), dynamic cache
+  HF static compiled  model.generate(cache_implementation="static"), which transformers compiles (--compiled)
+tok/s counts generated tokens; "bound" is the decode bandwidth bound at that batch: the weights
+plus the mean KV read per step, at the copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from miles.config import SamplingParams
+from miles.rollout.local import LocalEngine
+
+SHAPES = {
+    "qwen2.5-0.5b": lambda: Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                                        num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+                                        max_position_embeddings=32768, tie_word_embeddings=True),
+    "smol": lambda: LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192,
+                                tie_word_embeddings=True),
+}
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes/s of a device-to-device copy of 1 GiB (read + write counted)."""
+    n = (1 << 30) // 4 if device.type == "cuda" else (1 << 26)
+    a = torch.empty(n, dtype=torch.float32, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    sync(device)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        b.copy_(a)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return 2 * a.numel() * 4 / min(times)
+
+
+def timed(fn, repeats: int, device) -> list[float]:
+    fn()  # warm-up at this batch
+    out = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        made = fn()
+        sync(device)
+        out.append(made / (time.perf_counter() - start))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--shape", default="qwen2.5-0.5b", choices=list(SHAPES))
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: bf16 on a GPU, fp32 on a CPU")
+    p.add_argument("--batch", type=int, nargs="+", default=[32, 128, 512])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rows", default="fast,fast-eager,hf-generate",
+                   help="fast,fast-eager,fast-compiled,miles-hf,hf-generate")
+    p.add_argument("--profile", type=int, default=0, metavar="B",
+                   help="profile one fast-eager generate at batch B first: top CUDA kernels")
+    p.add_argument("--compiled", action="store_true", help="add HF generate with a static cache under torch.compile")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    torch.manual_seed(0)
+    config = SHAPES[args.shape]()
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    weights = sum(t.numel() * t.element_size() for t in model.parameters())
+    bandwidth = copy_bandwidth(device)
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * (config.hidden_size //
+                                                                                config.num_attention_heads) * dtype.itemsize
+    name = torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    print(f"{args.shape} ({sum(t.numel() for t in model.parameters()) / 1e6:.0f}M params, {dtype}) on {name}; "
+          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; prompts {args.prompt_len}, new tokens {args.new_tokens}, "
+          f"EOS off; {args.repeats} timed runs each (median [min, max] tok/s)", flush=True)
+    sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, top_p=1.0)
+    engines = {"fast": dict(decoder="fast"), "fast-eager": dict(decoder="fast", cuda_graphs=False),
+               "fast-compiled": dict(decoder="fast", compile=True), "miles-hf": dict(decoder="hf")}
+    rows = [r for r in args.rows.split(",") if r]
+    if args.compiled:
+        rows.append("hf-static-compiled")
+    results: dict[tuple[str, int], list[float]] = {}
+    if args.profile:
+        profile(model, config, args, sampling)
+    for batch in args.batch:
+        gen = torch.Generator().manual_seed(batch)
+        prompts = torch.randint(0, config.vocab_size, (batch, args.prompt_len), generator=gen)
+        seeds = list(range(batch))
+        mean_len = args.prompt_len + args.new_tokens / 2
+        bound = batch * bandwidth / (weights + batch * mean_len * kv_per_token)
+        for row in rows:
+            try:
+                if row in engines:
+                    engine = LocalEngine(model, eos_token_ids=[], pad_token_id=0, **engines[row])
+                    fn = lambda: sum(len(o.token_ids) for o in engine.generate(prompts.tolist(), sampling, seeds))  # noqa: E731
+                else:
+                    kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.new_tokens,
+                              min_new_tokens=args.new_tokens)
+                    if row == "hf-static-compiled":  # transformers compiles the forward for a static cache itself
+                        kw.update(cache_implementation="static")
+                    ids = prompts.to(device)
+                    mask = torch.ones_like(ids)
+                    fn = lambda: int(model.generate(input_ids=ids, attention_mask=mask, **kw)[:, ids.shape[1]:].numel())  # noqa: E731
+                rates = timed(fn, args.repeats, device)
+            except Exception as e:  # one row failing must not lose the others
+                print(f"batch {batch:4} | {row:20} | error: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+                continue
+            results[(row, batch)] = rates
+            base = results.get(("hf-generate", batch))
+            ratio = f"{statistics.median(rates) / statistics.median(base):6.2f}x HF" if base else ""
+            print(f"batch {batch:4} | {row:20} | {statistics.median(rates):9.0f} [{min(rates):.0f}, {max(rates):.0f}] "
+                  f"| {100 * statistics.median(rates) / bound:5.1f}% of bound {bound:.0f} | {ratio}", flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    print("ratios to HF generate (median / median; every run's min over HF's max in brackets):")
+    for batch in args.batch:
+        base = results.get(("hf-generate", batch))
+        for row in rows:
+            got = results.get((row, batch))
+            if base and got and row != "hf-generate":
+                print(f"  batch {batch:4} {row:20} {statistics.median(got) / statistics.median(base):6.2f}x "
+                      f"[worst {min(got) / max(base):.2f}x]")
+
+
+def profile(model, config, args, sampling) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    batch = args.profile
+    prompts = torch.randint(0, config.vocab_size, (batch, args.prompt_len), generator=torch.Generator().manual_seed(0))
+    for graphs in (False, True):
+        engine = LocalEngine(model, eos_token_ids=[], pad_token_id=0, cuda_graphs=graphs)
+        engine.generate(prompts.tolist(), sampling, list(range(batch)))
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.generate(prompts.tolist(), sampling, list(range(batch)))
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+        events = prof.key_averages()
+        gpu = sum(e.self_device_time_total for e in events) / 1e6
+        launches = sum(e.count for e in events if e.device_type.name == "CUDA")
+        print(f"profile batch {batch}, graphs {graphs}: wall {wall:.3f} s (profiled), GPU busy {gpu:.3f} s, "
+              f"{launches} kernels", flush=True)
+        print(events.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""The fast decode loop of miles' local engine: continuous batching over a ModelRunner's slots.
+
+A call decodes R requests (prompts, each with its uniforms and token budget) through S <= R
+slots. Requests wait in order; each free slot takes the next one, which is prefilled (packed with
+the other newcomers) and draws its first token at once. Every decode step feeds each occupied slot
+its last token; a slot whose row finished (EOS or its budget) is freed at the next check and
+taken by a waiting request. The live rows are kept in the lowest slots (rows of high slots move
+down into freed ones), so a step runs at the smallest batch bucket covering them.
+
+All per-slot state lives on the device, and a step queues without waiting for it; the host looks
+at it only every `check_every` steps (one sync each: 16 on a GPU, 1 on a CPU). A row finished
+between checks decodes on masked: it writes nothing the results keep.
+
+Token k of request r is sampled with uniforms[r, k], whatever slot, batch or step it ran in: the
+tokens depend on the request's prompt and stream, and on the other rows only through
+floating-point noise of the batched kernels (as with any batched engine).
+
+Device state, per slot s: req[s] (the request it decodes; R when free), made[s] (tokens drawn),
+pos[s] (the position of its last drawn token, fed next), last[s] (that token), done[s], stopped[s]
+(ended by EOS). Results: tokens and log-probs (R + 1, T + 1), row R and column T absorbing the
+writes of free slots and finished rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from miles.config import SamplingParams
+from miles.rollout.engine import GenerationOutput
+from miles.rollout.local.runner import ModelRunner, bucket
+from miles.rollout.sampling import sample_tokens
+
+logger = logging.getLogger("miles")
+
+
+class ContinuousBatcher:
+    def __init__(self, runner: ModelRunner, *, eos_token_ids: list[int], pad_token_id: int, check_every: int,
+                 max_slots: Callable[[int], int], prefill_tokens: int):
+        self.runner = runner
+        self.pad_token_id = pad_token_id
+        self.check_every = check_every
+        self.max_slots = max_slots  # slot length -> the most slots the KV budget holds
+        self.prefill_tokens = prefill_tokens  # packed tokens per prefill forward, at most
+        self.device = runner.device
+        self.eos = torch.tensor(eos_token_ids, dtype=torch.long, device=self.device)
+
+    @torch.no_grad()
+    def decode(self, prompts: list[list[int]], sampling: SamplingParams, uniforms: torch.Tensor,
+               progress: Callable[[int], None] | None = None, limits: list[int] | None = None,
+               weight_version: int | None = None) -> list[GenerationOutput]:
+        """uniforms (R, T) drive the sampling; request r makes at most limits[r] tokens (default T)."""
+        n, steps = len(prompts), uniforms.shape[1]
+        limits = limits or [steps] * n
+        length = max(len(p) for p in prompts) + steps
+        self.runner.reserve(min(n, self.max_slots(length)), length)
+        call = _Call(self, prompts, sampling, uniforms, limits, progress)
+        call.run()
+        return call.collect(weight_version)
+
+
+class _Call:
+    """One decode call's state (see the module docstring)."""
+
+    def __init__(self, batcher: ContinuousBatcher, prompts, sampling, uniforms, limits, progress):
+        self.b, self.runner = batcher, batcher.runner
+        self.prompts, self.sampling, self.progress = prompts, sampling, progress
+        dev, n, steps = batcher.device, len(prompts), uniforms.shape[1]
+        slots = self.runner.cache.slots
+        self.n, self.steps = n, steps
+        self.uniforms = torch.zeros(n + 1, steps + 1, dtype=torch.float64, device=dev)
+        self.uniforms[:n, :steps] = uniforms.to(dev, torch.float64)
+        self.limit = torch.tensor([*limits, steps], device=dev)  # (R + 1,)
+        self.tokens = torch.full((n + 1, steps + 1), batcher.pad_token_id, dtype=torch.long, device=dev)
+        self.log_probs = torch.zeros(n + 1, steps + 1, dtype=torch.float32, device=dev)
+        self.made_of = torch.zeros(n + 1, dtype=torch.long, device=dev)  # tokens per request, set when freed
+        self.stopped_of = torch.zeros(n + 1, dtype=torch.bool, device=dev)
+        self.req = torch.full((slots,), n, dtype=torch.long, device=dev)
+        self.made = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.last = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.done = torch.ones(slots, dtype=torch.bool, device=dev)
+        self.stopped = torch.zeros(slots, dtype=torch.bool, device=dev)
+        self.waiting = deque(range(n))
+        self.owner: list[int | None] = [None] * slots  # host view: the request in each slot
+        self.bound = [0] * slots  # host view: an upper bound of each occupied slot's cached length
+        self.step_count = 0
+
+    def run(self) -> None:
+        while True:
+            self._harvest()
+            self._admit()
+            occupied = [s for s, r in enumerate(self.owner) if r is not None]
+            if not occupied:
+                return
+            self._compact(occupied)
+            for _ in range(self.b.check_every):
+                self._step()
+
+    # -- the host's checks -------------------------------------------------------------------------
+
+    def _harvest(self) -> None:
+        """Frees the slots whose rows are done (one device sync)."""
+        occupied = [s for s, r in enumerate(self.owner) if r is not None]
+        if not occupied:
+            return
+        done = self.done.tolist()
+        freed = [s for s in occupied if done[s]]
+        if not freed:
+            return
+        index = torch.tensor(freed, device=self.b.device)
+        reqs = self.req[index]
+        self.made_of[reqs] = self.made[index]
+        self.stopped_of[reqs] = self.stopped[index]
+        self.req[index] = self.n
+        for s in freed:
+            self.owner[s] = None
+
+    def _admit(self) -> None:
+        """Prefills waiting requests into free slots, lowest slots first, and draws their first token."""
+        free = [s for s, r in enumerate(self.owner) if r is None]
+        while free and self.waiting:
+            slots, reqs, tokens = [], [], 0
+            while free and self.waiting and (not reqs or tokens + len(self.prompts[self.waiting[0]]) <= self.b.prefill_tokens):
+                r = self.waiting.popleft()
+                slots.append(free.pop(0))
+                reqs.append(r)
+                tokens += len(self.prompts[r])
+            index = torch.tensor(slots, device=self.b.device)
+            self.req[index] = torch.tensor(reqs, device=self.b.device)
+            self.made[index] = 0
+            self.pos[index] = torch.tensor([len(self.prompts[r]) - 1 for r in reqs], device=self.b.device)
+            self.done[index] = False
+            self.stopped[index] = False
+            logits = self.runner.prefill(slots, [self.prompts[r] for r in reqs])
+            self._advance(index, logits)
+            for s, r in zip(slots, reqs):
+                self.owner[s] = r
+                self.bound[s] = len(self.prompts[r]) + 1
+
+    def _compact(self, occupied: list[int]) -> None:
+        """Moves the rows of the highest slots into free lower ones when that shrinks the bucket."""
+        size = bucket(len(occupied), self.runner.buckets)
+        movers = [s for s in occupied if s >= size]
+        if not movers:
+            return
+        holes = [s for s in range(size) if self.owner[s] is None][: len(movers)]
+        src = torch.tensor(movers, device=self.b.device)
+        dst = torch.tensor(holes, device=self.b.device)
+        self.runner.cache.move(src, dst)
+        for t in (self.req, self.made, self.pos, self.last, self.done, self.stopped):
+            t[dst] = t[src]
+        self.req[src] = self.n
+        self.done[src] = True
+        for s, d in zip(movers, holes):
+            self.owner[d], self.bound[d], self.owner[s] = self.owner[s], self.bound[s], None
+
+    # -- the device's work -----------------------------------------------------------------------
+
+    def _step(self) -> None:
+        occupied = [s for s, r in enumerate(self.owner) if r is not None]
+        batch = bucket(occupied[-1] + 1, self.runner.buckets)
+        longest = max(self.bound[s] for s in occupied)
+        logits = self.runner.decode(batch, self.last[:batch], self.pos[:batch], longest)
+        self._advance(torch.arange(batch, device=self.b.device), logits)
+        for s in occupied:
+            self.bound[s] = min(self.bound[s] + 1, self.runner.cache.length)
+        self.step_count += 1
+        if self.progress is not None:
+            self.progress(min(self.step_count, self.steps))
+
+    def _advance(self, slots: torch.Tensor, logits: torch.Tensor) -> None:
+        """Samples the next token of each slot in `slots` from its logits (k, V) and updates its state;
+        finished and free slots write only to the absorbing row and column."""
+        live = ~self.done[slots]
+        req, made = self.req[slots], self.made[slots]
+        tok, logp = sample_tokens(logits, self.sampling, self.uniforms[req, made])
+        tok = tok.masked_fill(~live, self.b.pad_token_id)
+        col = torch.where(live, made, self.steps)
+        self.tokens[req, col] = tok
+        self.log_probs[req, col] = logp
+        hit = (tok[:, None] == self.b.eos).any(-1) & live
+        made = made + live
+        self.made[slots] = made
+        self.pos[slots] = self.pos[slots] + live
+        self.last[slots] = tok
+        self.stopped[slots] = self.stopped[slots] | hit
+        self.done[slots] = self.done[slots] | hit | (made >= self.limit[req])
+
+    def collect(self, weight_version) -> list[GenerationOutput]:
+        made, stopped = self.made_of[: self.n].tolist(), self.stopped_of[: self.n].tolist()
+        tokens, log_probs = self.tokens[: self.n].tolist(), self.log_probs[: self.n].tolist()
+        return [GenerationOutput(tok[:m], logp[:m], "stop" if stop else "length", weight_version=weight_version)
+                for tok, logp, m, stop in zip(tokens, log_probs, made, stopped)]

@@ -1,0 +1,371 @@
+"""The fast decode path's model runner: the HF model's own modules, run over a slot KV cache.
+
+The runner keeps the model's modules (embeddings, norms, projections, MLPs, the LM head; so the
+numbers are the model's own, and weight updates reach it as they reach the model) and replaces
+only attention and its cache:
+  - `SlotKVCache`: per layer one (S, H, L, D) key and one value tensor, allocated once. A sequence
+    owns a slot; its token at position p is cached at column p of its slot.
+  - prefill: the prompts of a batch packed into one row of tokens (no padding), attention per
+    prompt (`torch.nn.attention.varlen.varlen_attn` on a GPU, one causal SDPA per prompt elsewhere),
+    their keys and values written to their slots in one indexed copy per layer;
+  - decode: one token for each of slots [0, b), attending to columns [0, Lb) of its slot under a
+    (b, Lb) mask of the positions it has. The g query heads that share a KV head attend as g
+    queries of one head, so GQA reads each cached key once. On a GPU each (b, Lb) bucket's step
+    is captured once in a CUDA graph and replayed; its logits land in one shared buffer.
+
+Each layer runs as two pure functions of tensors, `_pre_attention` (norm, one fused q/k/v
+projection, RoPE) and `_post_attention` (output projection, residual, norm, one fused gate/up
+projection, activation, down projection, residual), computing what the HF modules compute. The
+fused projections are single tensors whose row blocks *are* the modules' parameters (views), so
+a weight update copied into the parameters is in them. With `compile=True` the two functions
+go through torch.compile (one trace for every layer and batch), so the elementwise work between
+the matmuls runs as a few fused kernels.
+
+Shapes: S slots, L slot length, H KV heads, Q query heads, D head dim, V vocabulary, N packed tokens.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger("miles")
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+LENGTH_STEP = 128  # slot columns attended in multiples of this (a CUDA graph per length bucket)
+
+
+def unsupported_reason(model) -> str | None:
+    """Why the runner cannot run this model (None: it can)."""
+    cfg = model.config
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {cfg.model_type!r} (the fast path runs {', '.join(SUPPORTED_MODEL_TYPES)})"
+    if any(kind != "full_attention" for kind in (getattr(cfg, "layer_types", None) or [])):
+        return "sliding-window layers"
+    if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None):
+        return "sliding-window attention"
+    if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
+        return f"activation {cfg.hidden_act!r}"
+    if getattr(cfg, "mlp_bias", False):
+        return "MLP biases"
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):
+        return f"{rope.get('rope_type', rope.get('type'))} RoPE (its frequencies depend on the sequence length)"
+    return None
+
+
+def batch_buckets(limit: int) -> list[int]:
+    """Batch sizes a decode step is run at: 1, 2, 4, 8, then steps of 16 to 128, 32 to 256,
+    64 to 512, 128 beyond; up to and including the first >= limit."""
+    sizes, b = [], 1
+    while not sizes or sizes[-1] < limit:
+        sizes.append(b)
+        b = b * 2 if b < 8 else b + (16 if b < 128 else 32 if b < 256 else 64 if b < 512 else 128)
+    return sizes
+
+
+def bucket(n: int, sizes: list[int]) -> int:
+    return next(s for s in sizes if s >= n)
+
+
+class SlotKVCache:
+    def __init__(self, *, layers: int, slots: int, length: int, kv_heads: int, head_dim: int, dtype, device):
+        shape = (slots, kv_heads, length, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.slots, self.length = slots, length
+
+    @staticmethod
+    def slot_bytes(*, layers: int, length: int, kv_heads: int, head_dim: int, dtype) -> int:
+        return 2 * layers * kv_heads * length * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copies slots src -> dst (index tensors) in every layer."""
+        for t in self.keys + self.values:
+            t[dst] = t[src]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's Llama RMSNorm: normalised in fp32, cast back, then scaled."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _pre_attention(x, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin, *, heads: int, kv_heads: int, eps: float):
+    """Tokens x (N, hidden) -> queries (N, Q, D), keys and values (N, H, D), RoPE applied."""
+    h = F.linear(_rms_norm(x, norm, eps), qkv_w, qkv_b)
+    head_dim = cos.shape[-1]
+    q, k, v = h.view(x.shape[0], heads + 2 * kv_heads, head_dim).split([heads, kv_heads, kv_heads], dim=1)
+    if q_norm is not None:  # Qwen3: per-head norms before RoPE
+        q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    return q, k, v
+
+
+def _post_attention(x, attended, o_w, o_b, norm, gate_up_w, down_w, *, eps: float):
+    """The rest of the layer: x (N, hidden) and the attention output (N, Q * D) -> the layer's output."""
+    x = x + F.linear(attended, o_w, o_b)
+    gate, up = F.linear(_rms_norm(x, norm, eps), gate_up_w).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, down_w)
+
+
+def _fuse(linears) -> torch.Tensor:
+    """One (sum of rows, in) weight whose row blocks become the linears' weights (views of it)."""
+    fused = torch.cat([lin.weight.detach() for lin in linears])
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = torch.nn.Parameter(fused[start:start + rows], requires_grad=lin.weight.requires_grad)
+        start += rows
+    return fused
+
+
+def _fuse_bias(linears) -> torch.Tensor | None:
+    if all(lin.bias is None for lin in linears):
+        return None
+    for lin in linears:
+        if lin.bias is None:
+            lin.bias = torch.nn.Parameter(torch.zeros(lin.weight.shape[0], dtype=lin.weight.dtype,
+                                                      device=lin.weight.device), requires_grad=False)
+    fused = torch.cat([lin.bias.detach() for lin in linears])
+    start = 0
+    for lin in linears:
+        rows = lin.bias.shape[0]
+        lin.bias = torch.nn.Parameter(fused[start:start + rows], requires_grad=lin.bias.requires_grad)
+        start += rows
+    return fused
+
+
+class _LayerWeights:
+    """One decoder layer's tensors as the layer functions take them; fused blocks are views."""
+
+    def __init__(self, layer):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+        self.gate_up = (mlp.gate_proj, mlp.up_proj)
+        self.qkv_w, self.qkv_b = _fuse(self.qkv), _fuse_bias(self.qkv)
+        self.gate_up_w = _fuse(self.gate_up)
+        self.norm, self.post_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        self.q_norm = attn.q_norm.weight if hasattr(attn, "q_norm") else None
+        self.k_norm = attn.k_norm.weight if hasattr(attn, "k_norm") else None
+        self.o_w, self.o_b = attn.o_proj.weight, attn.o_proj.bias
+        self.down_w = mlp.down_proj.weight
+
+    def current(self) -> bool:
+        """Whether the modules' weights are still views of the fused tensors (moving the model
+        between devices makes them separate tensors again)."""
+        return (self.qkv[0].weight.data_ptr() == self.qkv_w.data_ptr()
+                and self.gate_up[0].weight.data_ptr() == self.gate_up_w.data_ptr())
+
+
+class ModelRunner:
+    def __init__(self, model, *, cuda_graphs: bool = True, compile: bool = False):
+        self.model = model
+        self.inner = model.model
+        cfg = model.config
+        attn = self.inner.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.q_heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.group = self.q_heads // self.kv_heads
+        self.device = next(model.parameters()).device
+        self.dtype = self.inner.embed_tokens.weight.dtype
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.cache: SlotKVCache | None = None
+        self.buckets: list[int] = []
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        self._varlen = _varlen_attention() if self.device.type == "cuda" else None
+        self.eps = getattr(cfg, "rms_norm_eps", 1e-6)
+        self.compile = compile
+        self._pre, self._post = _pre_attention, _post_attention
+        if compile:
+            self._pre = torch.compile(_pre_attention, dynamic=True, fullgraph=True)
+            self._post = torch.compile(_post_attention, dynamic=True, fullgraph=True)
+        self._weights: list[_LayerWeights] = []
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.inner.layers)
+
+    # -- the cache -------------------------------------------------------------------------------
+
+    def slot_bytes(self, length: int) -> int:
+        return SlotKVCache.slot_bytes(layers=self.num_layers, length=length, kv_heads=self.kv_heads,
+                                      head_dim=self.head_dim, dtype=self.dtype)
+
+    def reserve(self, slots: int, length: int) -> None:
+        """A cache of at least `slots` slots of `length` columns (length rounded up to LENGTH_STEP);
+        a smaller one is dropped first, with its graphs."""
+        length = -(-length // LENGTH_STEP) * LENGTH_STEP
+        if not self._weights or not all(w.current() for w in self._weights):
+            self.release()
+            self._weights = [_LayerWeights(layer) for layer in self.inner.layers]
+        if self.cache is not None and self.cache.slots >= slots and self.cache.length >= length:
+            return
+        self.release()
+        self.cache = SlotKVCache(layers=self.num_layers, slots=slots, length=length, kv_heads=self.kv_heads,
+                                 head_dim=self.head_dim, dtype=self.dtype, device=self.device)
+        self.buckets = [b for b in batch_buckets(slots) if b < slots] + [slots]
+        positions = torch.arange(length, device=self.device)[None]
+        probe = torch.zeros((), dtype=self.dtype, device=self.device)
+        cos, sin = self.inner.rotary_emb(probe, positions)  # (1, L, D): the model's own RoPE
+        self._cos, self._sin = cos[0, :, None], sin[0, :, None]  # (L, 1, D)
+        self._tokens = torch.zeros(slots, dtype=torch.long, device=self.device)  # graph inputs
+        self._positions = torch.zeros(slots, dtype=torch.long, device=self.device)
+        self._logits = torch.empty(slots, self.model.config.vocab_size, dtype=self.dtype, device=self.device)
+        logger.info("Engine KV cache: %d slots x %d tokens (%.2f GiB, %s)%s", slots, length,
+                    self.cache.nbytes() / (1 << 30), str(self.dtype).removeprefix("torch."),
+                    "; decode steps captured in CUDA graphs per batch bucket" if self.cuda_graphs else "")
+
+    def release(self) -> None:
+        """Drops the cache and every captured graph (their memory goes back to the allocator)."""
+        self.cache, self._graphs, self._pool = None, {}, None
+
+    def length_bucket(self, longest: int) -> int:
+        """The columns a decode step attends to when no slot has more than `longest` tokens."""
+        return min(self.cache.length, -(-longest // LENGTH_STEP) * LENGTH_STEP)
+
+    # -- one transformer layer over rows of tokens ---------------------------------------------------
+
+    def _qkv(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        w = self._weights[i]
+        return self._pre(x, w.norm, w.qkv_w, w.qkv_b, w.q_norm, w.k_norm, cos, sin, heads=self.q_heads,
+                         kv_heads=self.kv_heads, eps=self.eps)
+
+    def _finish_layer(self, i: int, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        w = self._weights[i]
+        return self._post(x, attended.reshape(x.shape[0], -1), w.o_w, w.o_b, w.post_norm, w.gate_up_w, w.down_w,
+                          eps=self.eps)
+
+    def _lm_head(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.inner.norm(x)
+        head = self.model.lm_head
+        if out is None or head.bias is not None or h.dtype != out.dtype:
+            return head(h)
+        return torch.mm(h, head.weight.t(), out=out)
+
+    # -- prefill ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, slots: list[int], prompts: list[list[int]], keep: list[int] | None = None) -> torch.Tensor:
+        """Caches each prompt in its slot (positions 0..len-1) and returns the logits of its last
+        keep[i] positions (default 1), concatenated in prompt order: (sum keep, V)."""
+        lengths = [len(p) for p in prompts]
+        keep = keep or [1] * len(prompts)
+        tokens = torch.tensor([t for p in prompts for t in p], device=self.device)  # (N,)
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)  # (N,)
+        slot_of = torch.repeat_interleave(torch.tensor(slots), torch.tensor(lengths)).to(self.device)  # (N,)
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        wanted = torch.tensor([i for s, n, k in zip(starts, lengths, keep) for i in range(s + n - k, s + n)],
+                              device=self.device)
+        cos, sin = self._cos[positions], self._sin[positions]
+        x = self.inner.embed_tokens(tokens)  # (N, hidden)
+        for i in range(self.num_layers):
+            q, k, v = self._qkv(i, x, cos, sin)
+            self.cache.keys[i][slot_of, :, positions] = k.to(self.dtype)
+            self.cache.values[i][slot_of, :, positions] = v.to(self.dtype)
+            x = self._finish_layer(i, x, self._prefill_attention(q, k, v, starts))
+        return self._lm_head(x[wanted])
+
+    def _prefill_attention(self, q, k, v, starts: list[int]) -> torch.Tensor:
+        """Causal attention within each packed prompt: (N, Q, D)."""
+        if self._varlen is not None and q.dtype in (torch.bfloat16, torch.float16):  # flash: half types only
+            return self._varlen(q, k, v.contiguous(), starts, self.scaling)
+        out = torch.empty_like(q)
+        for a, b in zip(starts, starts[1:]):
+            out[a:b] = F.scaled_dot_product_attention(
+                q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None], v[a:b].transpose(0, 1)[None],
+                is_causal=True, scale=self.scaling, enable_gqa=self.group > 1)[0].transpose(0, 1)
+        return out
+
+    # -- decode ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def decode(self, batch: int, tokens: torch.Tensor, positions: torch.Tensor, longest: int) -> torch.Tensor:
+        """Feeds tokens[j] (b,) at positions[j] of slot j for j < batch (a bucket size); `longest`
+        bounds every slot's cached length after the step. Returns the logits (b, V), valid until the
+        next call."""
+        width = self.length_bucket(longest)
+        if not self.cuda_graphs:
+            return self._decode_step(batch, width, tokens, positions)
+        graph = self._graphs.get((batch, width)) or self._capture(batch, width)
+        self._tokens[:batch].copy_(tokens)
+        self._positions[:batch].copy_(positions)
+        graph.replay()
+        return self._logits[:batch]
+
+    def _decode_step(self, batch: int, width: int, tokens: torch.Tensor, positions: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        rows = torch.arange(batch, device=self.device)
+        visible = torch.arange(width, device=self.device)[None] <= positions[:, None]  # (b, Lb)
+        mask = visible[:, None, None, :]  # (b, 1, 1, Lb): shared by the g queries of each KV head
+        cos, sin = self._cos[positions], self._sin[positions]
+        x = self.inner.embed_tokens(tokens)  # (b, hidden)
+        for i in range(self.num_layers):
+            q, k, v = self._qkv(i, x, cos, sin)
+            keys, values = self.cache.keys[i], self.cache.values[i]
+            keys[rows, :, positions] = k.to(self.dtype)
+            values[rows, :, positions] = v.to(self.dtype)
+            grouped = q.to(self.dtype).view(batch, self.kv_heads, self.group, self.head_dim)  # (b, H, g, D)
+            attended = F.scaled_dot_product_attention(grouped, keys[:batch, :, :width], values[:batch, :, :width],
+                                                      attn_mask=mask, scale=self.scaling)
+            x = self._finish_layer(i, x, attended)
+        return self._lm_head(x, out)
+
+    def _capture(self, batch: int, width: int):
+        """Captures the (batch, width) step reading the shared input buffers, writing the logits buffer."""
+        tokens, positions, out = self._tokens[:batch], self._positions[:batch], self._logits[:batch]
+        positions.zero_()  # the warm-up runs write column 0 of slots [0, batch): kept and put back
+        kept = [t[:batch, :, 0].clone() for t in self.cache.keys + self.cache.values]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up outside the capture: kernels chosen, workspaces allocated
+                self._decode_step(batch, width, tokens, positions, out)
+        torch.cuda.current_stream().wait_stream(side)
+        for t, column in zip(self.cache.keys + self.cache.values, kept):
+            t[:batch, :, 0] = column
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._decode_step(batch, width, tokens, positions, out)
+        self._graphs[(batch, width)] = graph
+        return graph
+
+
+def _varlen_attention():
+    """Packed causal attention through torch's flash-attention varlen kernel, when this torch has
+    it in a form that takes grouped KV heads; None otherwise (the SDPA loop is used)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "enable_gqa" not in params:
+        return None
+    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+
+    def attend(q, k, v, starts: list[int], scale: float) -> torch.Tensor:
+        cu = torch.tensor(starts, dtype=torch.int32, device=q.device)
+        longest = max(b - a for a, b in zip(starts, starts[1:]))
+        return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, enable_gqa=True, **causal)
+
+    return attend
