@@ -1,7 +1,10 @@
 """Every speed figure of issue 13 side by side, in one run, printed as one table.
 
     python benchmarks/speed.py [--device cuda|cpu] [--only ceilings,engine,trainer,grpo,determinism]
-                               [--repeats 3] [--time-limit 500] [--vllm-python PATH]
+                               [--repeats 3] [--time-limit 440] [--batches 32,128] [--new-tokens 256]
+                               [--vllm-python PATH]
+
+On the GPU machine: `bash benchmarks/gpu_speed.sh` (installs the carried TRL wheels first).
 
 CUDA (the default where a GPU is): the Qwen2.5-0.5B shape (hidden 896, 24 layers, 14 heads, 2 KV
 heads, ffn 4864, vocab 151936, tied embeddings) with random bf16 weights built in code, and a
@@ -24,7 +27,9 @@ and skips what no longer fits, the table so far is printed after every section):
                checkpointing, same batch, micro-batch and reward: share of even token ids).
   determinism  `miles train` step time (median of steps 2..) plain, --deterministic-mode, with
                --debug-determinism hashes, and --true-on-policy-mode; each run in a subprocess,
-               since deterministic mode sets process-wide switches.
+               since deterministic mode sets process-wide switches. These are plain `miles train`
+               runs (the model saved to a temporary dir on CUDA): the tokenizer's EOS ends a
+               response (a random model all but never samples it), the reward is digit_share.
   vllm         (CPU, with --vllm-python) miles' engine vs a vLLM server on the demo prompts.
 """
 
@@ -102,6 +107,10 @@ class Clock:
 
     def over(self) -> bool:
         return self.left() <= 0
+
+    def part(self, parts: int) -> Clock:
+        """A clock for one of `parts` equal pieces of what is left of this section."""
+        return Clock(None if self.end == float("inf") else max(self.left(), 0.0) / parts or 1e-9)
 
     def run_over(self) -> bool:
         return time.monotonic() >= self.end
@@ -292,8 +301,9 @@ def engine(ctx) -> None:
         assert out.shape[1] == ids.shape[1] + tokens, f"HF generate made {out.shape[1] - ids.shape[1]} tokens"
 
     static = dict(cache_implementation="static", compile_config=CompileConfig())  # compiles on CUDA only
-    for batch in s.batches:
-        if ctx.clock.over():
+    for k, batch in enumerate(s.batches):
+        clock = ctx.clock.part(len(s.batches) - k)  # each batch size an equal share of what is left
+        if clock.over():
             say(f"  engine batch {batch}: skipped (time limit)")
             continue
         prompts = random_prompts(batch, s.prompt_len, vocab, seed=batch)
@@ -304,12 +314,12 @@ def engine(ctx) -> None:
         results = {}
         # (name, warm-up, timed call); warm-ups make 8 tokens, but the static one is the compile, so
         # it must be the timed call's own shapes
-        variants = [("miles LocalEngine", partial(miles, prompts, seeds, 8), partial(miles, prompts, seeds)),
-                    ("HF generate", partial(hf, ids, 8), partial(hf, ids))]
+        variants = [("HF generate", partial(hf, ids, 8), partial(hf, ids)),
+                    ("miles LocalEngine", partial(miles, prompts, seeds, 8), partial(miles, prompts, seeds))]
         if dev == "cuda":
             variants.append(("HF generate static+compile", partial(hf, ids, **static), partial(hf, ids, **static)))
         for name, warm, run in variants:
-            if ctx.clock.over():
+            if clock.over():
                 say(f"  {name}, batch {batch}: skipped (time limit)")
                 continue
             try:
@@ -317,7 +327,7 @@ def engine(ctx) -> None:
                 warm()
                 sync(dev)
                 say(f"  {name}, batch {batch}: warm-up {time.perf_counter() - start:.1f} s")
-                times = repeat(run, ctx.repeats, ctx.clock, dev)
+                times = repeat(run, ctx.repeats, clock, dev)
                 results[name] = ctx.report.runs(f"{name}, batch {batch}", [tok / t for t in times], "tok/s")
             except Exception as e:  # one engine failing leaves the others' rows
                 say(f"  {name}, batch {batch}: error: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
@@ -331,8 +341,11 @@ def engine(ctx) -> None:
             ceiling = "-" if bound is None else ", ".join(
                 f"{who} {100 * statistics.median(r) / bound:.2f}%" for who, r in (("miles", mine), ("alt", results[name]))
                 if r) + f" of {bound:,.0f}"
-            ctx.report.row(f"decode tok/s, batch {batch} (alt: {name})", spread(mine), spread(results[name]), ratio,
-                           ceiling)
+            vs_hf = ""
+            if name != "HF generate" and "HF generate" in results:
+                vs_hf = f" = {alt / statistics.median(results['HF generate']):.2f}x HF generate"
+            ctx.report.row(f"decode tok/s, batch {batch} (alt: {name}{vs_hf})", spread(mine), spread(results[name]),
+                           ratio, ceiling)
 
 
 def train_samples(rows: int, prompt_len: int, new_tokens: int, vocab: int, group: int):
