@@ -185,14 +185,16 @@ def check_response_shape(item: dict, *, logprobs: bool, text_in_logprobs: bool =
 # -- in process: the batch's cache arithmetic, the parser -----------------------------------------
 
 
-def test_running_batch_merge_step_and_drop_match_each_sequence_alone(engine):
-    """Rows prefilled at different times, merged (left-padded), stepped together and dropped give
-    each row the logits its own uncached forward gives."""
-    from miles.serve.batch import RunningBatch
+@pytest.mark.parametrize("kind", ["hf cache", "slots"])
+def test_running_batch_merge_step_and_drop_match_each_sequence_alone(engine, kind):
+    """Rows prefilled at different times, merged (hf: left-padded; slots: into free slots, the cache
+    grown for the longer newcomer), stepped together and dropped (slots: the high row moves down)
+    give each row the logits its own uncached forward gives."""
+    from miles.serve.batch import RunningBatch, SlotBatch
 
     local, tok = engine
     model = local.model
-    batch = RunningBatch(model, pad_token_id=tok.pad_token_id)
+    batch = RunningBatch(model, pad_token_id=tok.pad_token_id) if kind == "hf cache" else SlotBatch(local.runner)
     seqs = [[10, 11, 12, 13, 14], [20, 21]]
     logits = list(batch.prefill(seqs)[:, -1])
     gen_ = torch.Generator().manual_seed(0)
@@ -221,6 +223,8 @@ def test_running_batch_merge_step_and_drop_match_each_sequence_alone(engine):
     batch.keep([0, 2])  # the short row leaves; the cache narrows to the longest row left
     seqs = [seqs[0], seqs[2]]
     assert batch.width == max(len(s) for s in seqs)
+    if kind == "slots":
+        assert sorted(batch.slots) == [0, 1]  # slot 2's row moved into the freed slot 1
     logits = feed(logits)
     check(logits)
 

@@ -11,6 +11,13 @@ left-padding the narrower of the two caches along time and concatenating along b
 rows leave through index_select, and columns no row uses any more are cut from the left.
 
 Shapes: B rows, W cache width, H KV heads, D head dim, V vocabulary.
+
+`SlotBatch` is the same batch on the local engine's fast path (LocalEngine.runner): each row owns
+a slot of the runner's slot KV cache, prefills are packed, a step runs at the smallest batch bucket
+covering the rows' slots (a CUDA graph replay on a GPU), rows that leave free their slots for the
+next newcomers, and rows of high slots move down into freed ones. The cache grows (its contents
+copied) when more rows or longer rows than it holds arrive; the scheduler's --max-total-tokens
+budget bounds rows x longest row as before.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from miles.rollout.local.decode import CachedForward
+from miles.rollout.local.runner import LENGTH_STEP, ModelRunner, batch_buckets, bucket
 
 
 def _layers_kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -141,3 +149,97 @@ class RunningBatch:
         if self.cache is None:
             return 0
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in _layers_kv(self.cache))
+
+
+class SlotBatch:
+    """RunningBatch's operations on a ModelRunner's slots; row i is slot `slots[i]`."""
+
+    GROW = 4 * LENGTH_STEP  # slot columns added at a time when a row outgrows the cache
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.device = runner.device
+        self.slots: list[int] = []
+        self.lengths_host: list[int] = []  # cached tokens per row
+
+    @property
+    def size(self) -> int:
+        return len(self.slots)
+
+    @property
+    def width(self) -> int:
+        return max(self.lengths_host, default=0)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return torch.tensor(self.lengths_host, dtype=torch.long, device=self.device)
+
+    def clear(self) -> None:
+        """No rows; the cache and graphs go back to the allocator (the next prefill allocates again)."""
+        self.slots, self.lengths_host = [], []
+        self.runner.release()
+
+    def _room(self, rows: int, length: int) -> None:
+        """A cache of at least `rows` slots (a batch bucket) of `length` columns, grown by GROW at least."""
+        cache = self.runner.cache
+        rows = bucket(rows, batch_buckets(rows))
+        if cache is None:
+            self.runner.reserve(rows, length)
+        elif cache.slots < rows or cache.length < length:
+            longer = max(length, cache.length + self.GROW) if length > cache.length else cache.length
+            self.runner.reserve(rows, longer, keep=True)
+
+    def _free(self, n: int) -> list[int]:
+        taken = set(self.slots)
+        return [s for s in range(self.runner.cache.slots) if s not in taken][:n]
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]], keep_logits: int = 1) -> torch.Tensor:
+        """Prefills `prompts` into free slots as new rows at the end; the logits (Bn, K, V) of each
+        prompt's last K = keep_logits positions (0: all; the prompts then have one length)."""
+        self._room(self.size + len(prompts), max(len(p) for p in prompts) + 1)
+        slots = self._free(len(prompts))
+        keep = [keep_logits or len(p) for p in prompts]
+        logits = self.runner.prefill(slots, prompts, keep)
+        self.slots += slots
+        self.lengths_host += [len(p) for p in prompts]
+        return logits.view(len(prompts), keep[0], -1)
+
+    @torch.no_grad()
+    def score(self, prompt: list[int], keep_logits: int) -> torch.Tensor:
+        """The logits (K, V) of one prompt's last positions, through a free slot the batch does not keep."""
+        self._room(self.size + 1, len(prompt) + 1)
+        return self.runner.prefill(self._free(1), [prompt], [keep_logits or len(prompt)])
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feeds one token (B,) per row at each row's next position; returns the logits (B, V)."""
+        self._room(self.size, self.width + 1)
+        batch = bucket(max(self.slots) + 1, self.runner.buckets)
+        index = torch.tensor(self.slots, device=self.device)
+        fed = torch.zeros(batch, dtype=torch.long, device=self.device)
+        positions = torch.zeros(batch, dtype=torch.long, device=self.device)
+        fed[index] = tokens.to(self.device)
+        positions[index] = self.lengths
+        logits = self.runner.decode(batch, fed, positions, self.width + 1)[index]
+        self.lengths_host = [n + 1 for n in self.lengths_host]
+        return logits
+
+    def keep(self, rows: list[int]) -> None:
+        """Keeps only these rows (in this order); rows of slots above the bucket the rest need move down."""
+        self.slots = [self.slots[i] for i in rows]
+        self.lengths_host = [self.lengths_host[i] for i in rows]
+        if not self.slots:
+            return
+        size = bucket(len(self.slots), self.runner.buckets)
+        movers = [i for i, s in enumerate(self.slots) if s >= size]
+        if movers:
+            holes = [s for s in range(size) if s not in set(self.slots)][: len(movers)]
+            self.runner.cache.move(torch.tensor([self.slots[i] for i in movers], device=self.device),
+                                   torch.tensor(holes, device=self.device))
+            for i, hole in zip(movers, holes):
+                self.slots[i] = hole
+
+    def kv_bytes(self) -> int:
+        return self.runner.cache.nbytes() if self.runner.cache is not None else 0
+

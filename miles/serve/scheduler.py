@@ -48,7 +48,7 @@ import torch
 from miles.config import SamplingParams
 from miles.rollout.local import LocalEngine
 from miles.rollout.sampling import sample_tokens, stream_uniforms
-from miles.serve.batch import RunningBatch
+from miles.serve.batch import RunningBatch, SlotBatch
 from miles.serve.types import Finish, SequenceRequest, SequenceResult
 from miles.utils import device_memory
 
@@ -133,7 +133,9 @@ class Scheduler:
     def __init__(self, engine: LocalEngine, *, pad_token_id: int, eos_token_ids: list[int], limits: SchedulerLimits,
                  weight_version: str, model_path: str, decode: Callable[..., str]):
         self.engine = engine
-        self.batch = RunningBatch(engine.model, pad_token_id=pad_token_id)
+        # The fast path's slots where the engine has one (a model its runner can run), else the HF cache.
+        self.batch = SlotBatch(engine.runner) if engine.runner is not None else RunningBatch(engine.model,
+                                                                                           pad_token_id=pad_token_id)
         self.eos = frozenset(eos_token_ids)
         self.limits = limits
         self.weight_version = weight_version

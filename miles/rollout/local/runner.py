@@ -208,18 +208,24 @@ class ModelRunner:
         return SlotKVCache.slot_bytes(layers=self.num_layers, length=length, kv_heads=self.kv_heads,
                                       head_dim=self.head_dim, dtype=self.dtype)
 
-    def reserve(self, slots: int, length: int) -> None:
+    def reserve(self, slots: int, length: int, *, keep: bool = False) -> None:
         """A cache of at least `slots` slots of `length` columns (length rounded up to LENGTH_STEP);
-        a smaller one is dropped first, with its graphs."""
+        a smaller one is replaced, its graphs dropped, and with `keep` its contents copied over."""
         length = -(-length // LENGTH_STEP) * LENGTH_STEP
         if not self._weights or not all(w.current() for w in self._weights):
-            self.release()
             self._weights = [_LayerWeights(layer) for layer in self.inner.layers]
+            self._graphs, self._pool = {}, None  # they read the tensors the fusing replaced
         if self.cache is not None and self.cache.slots >= slots and self.cache.length >= length:
             return
+        old = self.cache if keep else None
+        if old is not None:
+            slots, length = max(slots, old.slots), max(length, old.length)
         self.release()
         self.cache = SlotKVCache(layers=self.num_layers, slots=slots, length=length, kv_heads=self.kv_heads,
                                  head_dim=self.head_dim, dtype=self.dtype, device=self.device)
+        if old is not None:
+            for new_t, old_t in zip(self.cache.keys + self.cache.values, old.keys + old.values):
+                new_t[: old.slots, :, : old.length] = old_t
         self.buckets = [b for b in batch_buckets(slots) if b < slots] + [slots]
         positions = torch.arange(length, device=self.device)[None]
         probe = torch.zeros((), dtype=self.dtype, device=self.device)
