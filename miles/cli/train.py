@@ -135,6 +135,9 @@ def claim_run_dirs(args: argparse.Namespace) -> tuple[list, list[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from miles.utils.cpu_threads import set_wait_policy
+
+    set_wait_policy()  # before prepare() imports torch: libgomp reads it once, when torch loads it
     data, reward_fn = prepare(args)
     check_writable(args)
     locks, notes = claim_run_dirs(args)
@@ -161,6 +164,10 @@ def run_locked(args: argparse.Namespace, data, reward_fn, notes: list[str]) -> i
     try:
         for note in notes:
             logger.info(note)
+        if args.device == "cpu":  # the local engine and the trainer of this process
+            from miles.utils.cpu_threads import setup_cpu_threads
+
+            setup_cpu_threads()
         config = run_config(args, output_dir / "config.json")
         atomic_write_json(output_dir / "config.json", config)
         if data is not None and data.missing_labels:

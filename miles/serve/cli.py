@@ -33,8 +33,9 @@ def register(commands) -> None:
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="(default: cuda if available)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="sdpa", help="(default: sdpa)")
     g.add_argument("--cpu-threads", type=int, default=None, metavar="N",
-                   help="torch's intra-op threads (default: torch's, one per core); several servers on one host "
-                        "run far faster with cores / servers each than all spinning on every core")
+                   help="torch's intra-op threads (default on a CPU: this process's cores less the load other "
+                        "processes put on them, at least 1, logged as `CPU threads:`; on a GPU torch's); several "
+                        "servers on one host run far faster with cores / servers each than all on every core")
     g.add_argument("--mem-fraction-static", type=float, default=None, metavar="F",
                    help="on CUDA, the most of the GPU's memory this server may take, as a fraction in (0, 1] "
                         "(torch.cuda.set_per_process_memory_fraction; SGLang's flag name): room for a colocated "
@@ -102,7 +103,10 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def run(args: argparse.Namespace) -> int:
+    from miles.utils.cpu_threads import set_wait_policy
+
     validate(args)
+    set_wait_policy()  # before miles.serve.server imports torch: libgomp reads it once, when torch loads it
     sock = bind(args.host, args.port)
     try:
         from miles.serve.server import build_state, serve

@@ -22,6 +22,7 @@ from miles.serve.app import ServeState, build_app
 from miles.serve.protocol import ModelLimits
 from miles.serve.scheduler import Scheduler, SchedulerLimits
 from miles.serve.weights import ParameterSpecs
+from miles.utils.cpu_threads import setup_cpu_threads
 
 logger = logging.getLogger("miles")
 
@@ -74,7 +75,9 @@ def build_state(args: argparse.Namespace) -> ServeState:
     quiet_transformers()
     device, precision, dtype = _device_and_dtype(args)
     _cap_memory(args.mem_fraction_static, device)
-    if args.cpu_threads is not None:
+    if device == "cpu":
+        setup_cpu_threads(args.cpu_threads)  # logs `CPU threads: ...`
+    elif args.cpu_threads is not None:
         import torch
 
         torch.set_num_threads(args.cpu_threads)

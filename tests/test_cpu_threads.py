@@ -1,0 +1,114 @@
+"""CPU thread settings (miles.utils.cpu_threads): the choice, the wait policy set before torch loads
+libgomp (checked in libgomp's own OMP_DISPLAY_ENV report of `miles train` and `miles serve`), the log line."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from miles.utils import cpu_threads
+from miles.utils.cpu_threads import choose_threads, wait_policy_for
+from test_serve import ServeProcess
+
+PASSIVE_SEEN = "GOMP_SPINCOUNT = '0'"  # libgomp's OMP_DISPLAY_ENV=VERBOSE report under OMP_WAIT_POLICY=PASSIVE
+
+
+@pytest.mark.parametrize("cores, load, total, expected", [
+    (2, 0.0, 2, 2),  # quiet: every core
+    (2, 0.4, 2, 2),  # less than half a core busy: rounded away
+    (2, 0.9, 2, 1),  # one other busy process
+    (2, 1.9, 2, 1),  # both cores busy: still one thread
+    (2, 9.0, 2, 1),
+    (8, 3.0, 8, 5),
+    (4, 8.0, 16, 2),  # taskset to 4 of 16 CPUs: a quarter of the host's load lands on ours
+])
+def test_threads_are_the_cores_less_the_load(cores, load, total, expected):
+    assert choose_threads(cores=cores, load=load, total_cpus=total) == (expected, None)
+
+
+def test_the_flag_then_omp_num_threads_win_over_the_load():
+    assert choose_threads(cores=2, load=1.9, total_cpus=2, override=2, omp_num_threads="1") == (2, "--cpu-threads")
+    assert choose_threads(cores=2, load=1.9, total_cpus=2, omp_num_threads="2") == (2, "OMP_NUM_THREADS")
+    for unusable in ("", "0", "two", "2,1"):  # not a thread count torch took: miles chooses
+        assert choose_threads(cores=2, load=0.0, total_cpus=2, omp_num_threads=unusable) == (2, None)
+
+
+def test_passive_unless_the_user_chose_or_torch_is_loaded():
+    assert wait_policy_for({}, torch_loaded=False) == ({"OMP_WAIT_POLICY": "PASSIVE"}, "OMP_WAIT_POLICY=PASSIVE")
+    assert wait_policy_for({"OMP_WAIT_POLICY": "active"}, torch_loaded=False) == ({}, "OMP_WAIT_POLICY=active")
+    assert wait_policy_for({"GOMP_SPINCOUNT": "1000"}, torch_loaded=False) == ({}, "GOMP_SPINCOUNT=1000")
+    changes, said = wait_policy_for({}, torch_loaded=True)
+    assert changes == {} and "torch was imported first" in said
+
+
+def test_set_wait_policy_sets_the_environment_it_is_given(monkeypatch):
+    monkeypatch.delitem(sys.modules, "torch")  # as before `import torch` (restored after the test)
+    env: dict[str, str] = {}
+    assert cpu_threads.set_wait_policy(env) == "OMP_WAIT_POLICY=PASSIVE" and env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    mine = {"OMP_WAIT_POLICY": "ACTIVE"}
+    cpu_threads.set_wait_policy(mine)
+    assert mine == {"OMP_WAIT_POLICY": "ACTIVE"}
+
+
+@pytest.fixture
+def threads_restored():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_setup_sets_torch_threads_and_logs_one_line(monkeypatch, caplog, threads_restored):
+    monkeypatch.setattr(cpu_threads, "affinity_cores", lambda: 2)
+    monkeypatch.setattr(cpu_threads.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(cpu_threads.os, "getloadavg", lambda: (1.9, 1.0, 1.0))
+    monkeypatch.setattr(cpu_threads, "_wait_policy", "OMP_WAIT_POLICY=PASSIVE")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    with caplog.at_level(logging.INFO, logger="miles"):
+        setup = cpu_threads.setup_cpu_threads()
+    assert torch.get_num_threads() == setup.threads == 1
+    assert [r.getMessage() for r in caplog.records] == ["CPU threads: 1 of 2 cores (load 1.9), OMP_WAIT_POLICY=PASSIVE"]
+    assert cpu_threads.setup_cpu_threads(2).line() == ("CPU threads: 2 of 2 cores (load 1.9, --cpu-threads), "
+                                                       "OMP_WAIT_POLICY=PASSIVE")
+    assert torch.get_num_threads() == 2
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
+    return {**env, "OMP_DISPLAY_ENV": "VERBOSE", **extra}  # libgomp prints its settings when it loads
+
+
+def test_miles_train_sets_passive_before_torch_loads_and_logs_threads(tiny_args, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "miles", *tiny_args, "--num-rollout", "1", "--device", "cpu"],
+                       capture_output=True, text=True, env=clean_env(), stdin=subprocess.DEVNULL, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert PASSIVE_SEEN in r.stderr
+    log = (tmp_path / "run" / "train.log").read_text()
+    lines = [line for line in log.splitlines() if "CPU threads:" in line]
+    assert len(lines) == 1 and lines[0].endswith("OMP_WAIT_POLICY=PASSIVE"), lines
+    assert f"of {len(os.sched_getaffinity(0))} cores (load " in lines[0]
+
+
+def test_the_users_wait_policy_is_kept(tiny_args):
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA (--device cuda must fail once torch is loaded)")
+    r = subprocess.run([sys.executable, "-m", "miles", *tiny_args, "--device", "cuda"], capture_output=True,
+                       text=True, env=clean_env(OMP_WAIT_POLICY="ACTIVE"), stdin=subprocess.DEVNULL, timeout=300)
+    assert r.returncode == 2 and "--device cuda: no CUDA device" in r.stderr
+    assert "OMP_WAIT_POLICY = 'ACTIVE'" in r.stderr and PASSIVE_SEEN not in r.stderr
+
+
+def test_miles_serve_sets_passive_and_logs_the_flag(tiny_model, tmp_path, monkeypatch):
+    for name, value in clean_env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    server = ServeProcess("--hf-checkpoint", str(tiny_model), "--device", "cpu", log=tmp_path / "serve.log")
+    server.stop()
+    log = (tmp_path / "serve.log").read_text()
+    assert PASSIVE_SEEN in log
+    assert "CPU threads: 1 of " in log and "--cpu-threads), OMP_WAIT_POLICY=PASSIVE" in log
