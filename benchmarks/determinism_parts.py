@@ -83,13 +83,13 @@ def one_run(name: str, steps: int, extra: list[str], out: Path) -> dict:
     parts, flags = CONFIGS[name]
     argv = ["--num-rollout", str(steps), *extra, *flags, "--output-dir", str(out)]
     cmd = [sys.executable, __file__, "--child", ",".join(parts), "--", *argv]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["?"])[-1]
         return {"failed": last[:160]}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steady = rows[1:] if len(rows) > 1 else rows
-    mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in steady)  # noqa: E731
+    mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in steady)
     step, gen, sync = mean("perf/step_time_s"), mean("perf/rollout_time_s"), mean("perf/weight_sync_s")
     return {"step": step, "generate": gen, "train": step - gen - sync}
 
