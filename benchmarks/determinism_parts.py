@@ -4,7 +4,7 @@ Steps: every configuration runs `miles train` in a fresh process (the switches a
 cuBLAS reads CUBLAS_WORKSPACE_CONFIG once), with the parts named applied before the run starts;
 the configurations take turns, --repeats times round. Printed per configuration: the steady step
 time (steps 2.., the mean of each run; median [min..max] over the runs), its generation and
-training (+ weight sync and bookkeeping) shares, and the change against `off`. Two runs of each
+training shares (train+rest: the step less generation and weight sync), and the change against `off`. Two runs of each
 configuration that writes hashes are then compared with `miles diff-runs`.
 
     python benchmarks/determinism_parts.py [--steps 4] [--repeats 3] [--configs a,b,..] [miles train flags...]
@@ -109,7 +109,7 @@ def bench(configs: list[str], steps: int, repeats: int, extra: list[str]) -> Non
                 identical[name] = all(main(["diff-runs", str(runs[0]), str(p)]) == 0 for p in runs[1:])
     print(f"steady steps 2..{steps}, {repeats} runs each, median [min..max] of each run's mean; "
           f"flags: {' '.join(extra) or '(demo recipe)'}")
-    print(f"{'':18}{'step s':>24}{'vs off':>9}{'generate s':>24}{'train+sync s':>24}")
+    print(f"{'':18}{'step s':>24}{'vs off':>9}{'generate s':>24}{'train+rest s':>24}")
     base = _median(results.get("off", []), "step")
     for name, runs in results.items():
         failed = [r["failed"] for r in runs if "failed" in r]
