@@ -37,6 +37,23 @@ def test_same_flags_same_hashes_every_step(reference_run, tiny_args, capsys):
     assert "determinism step=1 prompts=" in log
 
 
+def test_the_mode_sets_each_part_and_leaves_uninitialised_memory_unfilled(reference_run):
+    import torch
+    import torch.utils.deterministic
+
+    from miles.debug.determinism import PARTS
+
+    log = (reference_run / "train.log").read_text()
+    for part in PARTS:
+        if not part.cuda_sdpa_only:  # a CPU run
+            assert part.enable() in log, part.name  # each part logs what it set
+    assert "SDPA math kernel" not in log
+    assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+    # torch's NaN fill of torch.empty costs a write per allocation and makes no run repeat that would
+    # not repeat without it (the runs above hash identically with it off)
+    assert torch.utils.deterministic.fill_uninitialized_memory is False
+
+
 @pytest.mark.parametrize("flags, step, component", [
     (["--lr", "2e-3"], 1, "parameters"),            # same data, tokens, loss and gradients; a different update
     (["--seed", "7"], 1, "rollout_tokens"),         # same prompts, other sampling streams

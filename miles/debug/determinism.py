@@ -10,9 +10,12 @@ from __future__ import annotations
 import logging
 import os
 import struct
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.utils.deterministic
 
 from miles.bridge.types import Sample
 from miles.debug.diff_runs import COMPONENTS  # data-flow order: the first to differ is where runs part
@@ -22,21 +25,56 @@ from miles.utils.jsonl import JsonlAppender
 logger = logging.getLogger("miles")
 
 
-def enable_deterministic_mode(seed: int, device: str, attention_backend: str) -> None:
-    """Sets every switch that makes a run repeat bitwise, and logs each one."""
+@dataclass(frozen=True)
+class Part:
+    """One switch of --deterministic-mode: `enable` sets it and says what it set (for the log)."""
+    name: str
+    enable: Callable[[], str]
+    cuda_sdpa_only: bool = False  # only on CUDA with --attention-backend sdpa
+
+
+def _cublas_workspace() -> str:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS handle
+    return f"CUBLAS_WORKSPACE_CONFIG={os.environ['CUBLAS_WORKSPACE_CONFIG']}"
+
+
+def _algorithms() -> str:
     torch.use_deterministic_algorithms(True, warn_only=True)
+    # The mode's NaN fill of every torch.empty is a debugging aid (reads of uninitialised memory become
+    # visible), not a source of determinism: a program that never reads such memory repeats without it,
+    # and the fill costs a kernel and a full write per allocation.
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    return "torch.use_deterministic_algorithms(True) (warn only; uninitialised memory not filled)"
+
+
+def _cudnn() -> str:
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
-    settings = [f"seeds python/numpy/torch={seed}", "per-sample sampling streams from (seed, rollout id, sample index)",
-                "torch.use_deterministic_algorithms(True)", "cudnn.deterministic=True, cudnn.benchmark=False",
-                f"CUBLAS_WORKSPACE_CONFIG={os.environ['CUBLAS_WORKSPACE_CONFIG']}"]
-    if device == "cuda" and attention_backend == "sdpa":
-        # Flash and memory-efficient SDPA backwards accumulate with atomics; the math kernel does not.
-        torch.backends.cuda.enable_flash_sdp(False)
-        torch.backends.cuda.enable_mem_efficient_sdp(False)
-        torch.backends.cuda.enable_cudnn_sdp(False)
-        settings.append("SDPA math kernel (flash, memory-efficient and cuDNN SDPA off)")
+    return "cudnn.deterministic=True, cudnn.benchmark=False"
+
+
+def _sdpa_math() -> str:
+    # Flash and memory-efficient SDPA backwards accumulate with atomics unless torch's deterministic
+    # mode is strict (warn_only=False), which this mode cannot be: float cumsum on CUDA (the sampler's
+    # CDF, REINFORCE++'s returns) has no deterministic kernel and would raise. cuDNN SDPA is never
+    # deterministic. The math kernel is; forward and backward, in the trainer and in the engine alike.
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return "SDPA math kernel (flash, memory-efficient and cuDNN SDPA off)"
+
+
+# In the order they are set (CUBLAS_WORKSPACE_CONFIG first: cuBLAS reads it once). Each is measured
+# alone by benchmarks/determinism_parts.py.
+PARTS = (Part("cublas_workspace", _cublas_workspace), Part("algorithms", _algorithms), Part("cudnn", _cudnn),
+         Part("sdpa_math", _sdpa_math, cuda_sdpa_only=True))
+
+
+def enable_deterministic_mode(seed: int, device: str, attention_backend: str) -> None:
+    """Sets every switch that makes a run repeat bitwise, and logs each one."""
+    settings = [f"seeds python/numpy/torch={seed}", "per-sample sampling streams from (seed, rollout id, sample index)"]
+    settings += [part.enable() for part in PARTS
+                 if not part.cuda_sdpa_only or (device == "cuda" and attention_backend == "sdpa")]
     logger.info("--deterministic-mode: %s", "; ".join(settings))
     caveats = []
     if attention_backend == "flash":

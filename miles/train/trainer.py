@@ -41,7 +41,7 @@ from miles.train.checkpoint import save_checkpoint
 from miles.train.losses import KL_ESTIMATORS, aggregate, masked_mean, policy_loss, tis_weights
 from miles.train.parallel import (SingleRank, full_named_parameters, local_numel, optimizer_state_by_name,
                                   optimizer_state_by_number)
-from miles.utils.digest import bytes_digest16, named_tensors_digest16, tensor_bytes, tensor_bytes_sha256
+from miles.utils.digest import bytes_digest16, named_tensors_digest16, tensor_bytes_sha256
 from miles.utils.progress import Progress
 
 
@@ -119,7 +119,7 @@ class Trainer:
         hashes = {}
         if self.record_hashes:
             losses = [m["train/loss"] for m in step_metrics]
-            hashes = {"trainer_log_probs": bytes_digest16(tensor_bytes(old_log_probs * batch.mask)),
+            hashes = {"trainer_log_probs": named_tensors_digest16([("trainer_log_probs", old_log_probs * batch.mask)]),
                       "loss": bytes_digest16(struct.pack(f"<{len(losses)}d", *losses)),
                       "gradients": bytes_digest16(*(d.encode() for d in grad_digests)),
                       "parameters": named_tensors_digest16(full_named_parameters(self.model, self.ranks))}

@@ -1,0 +1,212 @@
+"""What each switch of --deterministic-mode costs, and what the per-step hashes cost, measured apart.
+
+Steps: every configuration runs `miles train` in a fresh process (the switches are process-wide and
+cuBLAS reads CUBLAS_WORKSPACE_CONFIG once), with the parts named applied before the run starts;
+the configurations take turns, --repeats times round. Printed per configuration: the steady step
+time (steps 2.., the mean of each run; median [min..max] over the runs), its generation and
+training shares (train+rest: the step less generation and weight sync), and the change against `off`. Two runs of each
+configuration that writes hashes are then compared with `miles diff-runs`.
+
+    python benchmarks/determinism_parts.py [--steps 4] [--repeats 3] [--configs a,b,..] [miles train flags...]
+
+Hashing alone, host sha256 (the digest before this one: parameters copied to the host) against the
+on-device digest, over a Qwen2.5-0.5B-shaped set of tensors (494M parameters):
+
+    python benchmarks/determinism_parts.py --digest [--device cuda] [--dtype fp32|bf16] [--repeats 3]
+
+Configurations: `off`; each part of miles.debug.determinism.PARTS alone; `fill_memory` (torch's
+NaN fill of uninitialised memory, which the mode used to leave on); `mode` (--deterministic-mode);
+`mode_before` (the mode as it was: fill on); `strict` (torch.use_deterministic_algorithms(True)
+without warn_only, which makes flash / memory-efficient SDPA backwards deterministic, so no math
+kernel; float cumsum on CUDA raises under it); `hashes` (--deterministic-mode --debug-determinism).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _fill_memory() -> str:
+    import torch.utils.deterministic
+
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    return "fill_uninitialized_memory=True"
+
+
+def _strict() -> str:
+    import torch
+
+    torch.use_deterministic_algorithms(True)
+    return "use_deterministic_algorithms(True) strict"
+
+
+def part(name: str):
+    from miles.debug.determinism import PARTS
+
+    extra = {"fill_memory": _fill_memory, "strict": _strict}
+    return extra[name] if name in extra else next(p.enable for p in PARTS if p.name == name)
+
+
+# name -> (parts applied before `miles train`, flags added to it); parts apply in the order listed
+CONFIGS = {
+    "off": ([], []),
+    "cublas_workspace": (["cublas_workspace"], []),
+    "algorithms": (["algorithms"], []),
+    "fill_memory": (["algorithms", "fill_memory"], []),
+    "cudnn": (["cudnn"], []),
+    "sdpa_math": (["sdpa_math"], []),
+    "mode": ([], ["--deterministic-mode"]),
+    "mode_before": (["cublas_workspace", "algorithms", "fill_memory", "cudnn", "sdpa_math"], []),
+    "strict": (["cublas_workspace", "strict", "cudnn"], []),
+    "hashes": ([], ["--deterministic-mode", "--debug-determinism"]),
+}
+
+
+def child(parts: list[str], argv: list[str]) -> int:
+    """One run: the parts, then `miles train ARGV` in this process."""
+    for name in parts:
+        part(name)()
+    from miles.cli.main import main
+
+    return main(["train", *argv])
+
+
+def one_run(name: str, steps: int, extra: list[str], out: Path) -> dict:
+    parts, flags = CONFIGS[name]
+    argv = ["--num-rollout", str(steps), *extra, *flags, "--output-dir", str(out)]
+    cmd = [sys.executable, __file__, "--child", ",".join(parts), "--", *argv]
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["?"])[-1]
+        return {"failed": last[:160]}
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steady = rows[1:] if len(rows) > 1 else rows
+    mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in steady)
+    step, gen, sync = mean("perf/step_time_s"), mean("perf/rollout_time_s"), mean("perf/weight_sync_s")
+    return {"step": step, "generate": gen, "train": step - gen - sync}
+
+
+def bench(configs: list[str], steps: int, repeats: int, extra: list[str]) -> None:
+    results: dict[str, list[dict]] = {name: [] for name in configs}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(repeats):  # round-robin: drift of the machine spreads over every configuration
+            for name in configs:
+                results[name].append(one_run(name, steps, extra, Path(tmp) / f"{name}-{r}"))
+        identical = {}
+        for name in configs:
+            runs = [Path(tmp) / f"{name}-{r}" for r in range(repeats)]
+            if repeats > 1 and all((p / "hashes.jsonl").is_file() for p in runs):
+                from miles.cli.main import main
+
+                identical[name] = all(main(["diff-runs", str(runs[0]), str(p)]) == 0 for p in runs[1:])
+    print(f"steady steps 2..{steps}, {repeats} runs each, median [min..max] of each run's mean; "
+          f"flags: {' '.join(extra) or '(demo recipe)'}")
+    print(f"{'':18}{'step s':>24}{'vs off':>9}{'generate s':>24}{'train+rest s':>24}")
+    base = _median(results.get("off", []), "step")
+    for name, runs in results.items():
+        failed = [r["failed"] for r in runs if "failed" in r]
+        if failed:
+            print(f"{name:18}failed: {failed[0]}")
+            continue
+        vs = f"{100 * (_median(runs, 'step') / base - 1):+.1f}%" if base else ""
+        print(f"{name:18}{_spread(runs, 'step'):>24}{vs:>9}{_spread(runs, 'generate'):>24}{_spread(runs, 'train'):>24}")
+    for name, same in identical.items():
+        print(f"{name}: {repeats} runs hash identically at every step: {same}")
+
+
+def _median(runs: list[dict], key: str) -> float:
+    values = [r[key] for r in runs if key in r]
+    return statistics.median(values) if values else 0.0
+
+
+def _spread(runs: list[dict], key: str) -> str:
+    values = [r[key] for r in runs]
+    return f"{statistics.median(values):.3f} [{min(values):.3f}..{max(values):.3f}]"
+
+
+# -- hashing alone -------------------------------------------------------------------------------
+
+def qwen05_shapes() -> list[tuple[str, tuple[int, ...]]]:
+    """Qwen2.5-0.5B's parameters: vocab 151936, hidden 896, 24 layers, 14 + 2 heads of 64, ffn 4864."""
+    h, kv, ffn = 896, 128, 4864
+    shapes = [("embed_tokens.weight", (151936, h))]
+    for i in range(24):
+        p = f"layers.{i}."
+        shapes += [(p + "q_proj.weight", (h, h)), (p + "q_proj.bias", (h,)), (p + "k_proj.weight", (kv, h)),
+                   (p + "k_proj.bias", (kv,)), (p + "v_proj.weight", (kv, h)), (p + "v_proj.bias", (kv,)),
+                   (p + "o_proj.weight", (h, h)), (p + "gate_proj.weight", (ffn, h)), (p + "up_proj.weight", (ffn, h)),
+                   (p + "down_proj.weight", (h, ffn)), (p + "input_layernorm.weight", (h,)),
+                   (p + "post_attention_layernorm.weight", (h,))]
+    return shapes + [("norm.weight", (h,))]
+
+
+def host_sha256_digest16(named) -> str:
+    """The per-step digest as it was: sha256 over (name, bytes copied to the host)."""
+    from miles.utils.digest import tensor_bytes
+
+    h = hashlib.sha256()
+    for name, t in named:
+        h.update(name.encode())
+        h.update(tensor_bytes(t))
+    return h.hexdigest()[:16]
+
+
+def bench_digest(device: str, dtype_name: str, repeats: int) -> None:
+    import torch
+
+    from miles.utils.digest import named_tensors_digest16
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    g = torch.Generator(device=device).manual_seed(0)
+    named = [(n, torch.randn(s, generator=g, device=device, dtype=dtype)) for n, s in qwen05_shapes()]
+    numel = sum(t.numel() for _, t in named)
+    gib = sum(t.numel() * t.element_size() for _, t in named) / 2**30
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    print(f"{len(named)} tensors, {numel / 1e6:.0f}M {dtype_name} parameters ({gib:.2f} GiB) on {device}; "
+          f"{repeats} repeats after one warm-up, median [min..max]")
+    for label, fn in (("host sha256 (before)", host_sha256_digest16), ("on-device digest", named_tensors_digest16)):
+        times = []
+        for _ in range(repeats + 1):
+            sync()
+            start = time.perf_counter()
+            fn(named)  # returns a str: the device work is finished
+            times.append(time.perf_counter() - start)
+        times = times[1:]
+        med = statistics.median(times)
+        print(f"{label:22}{med:9.4f} s [{min(times):.4f}..{max(times):.4f}]  {gib / med:8.2f} GiB/s")
+
+
+def main() -> None:
+    if "--child" in sys.argv:
+        i = sys.argv.index("--child")
+        parts = [p for p in sys.argv[i + 1].split(",") if p]
+        sys.exit(child(parts, sys.argv[sys.argv.index("--") + 1:]))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of: {', '.join(CONFIGS)}")
+    ap.add_argument("--digest", action="store_true", help="time hashing alone (host sha256 vs on-device digest)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    known, extra = ap.parse_known_args()
+    if known.digest:
+        bench_digest(known.device, known.dtype, known.repeats)
+        return
+    configs = known.configs.split(",")
+    if unknown := [c for c in configs if c not in CONFIGS]:
+        ap.error(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
+    if "off" not in configs:
+        configs.insert(0, "off")
+    bench(configs, known.steps, known.repeats, extra)
+
+
+if __name__ == "__main__":
+    main()
