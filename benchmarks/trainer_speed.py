@@ -34,11 +34,11 @@ SHAPES = {  # Qwen2.5-0.5B, and a tiny one for a CPU
                  intermediate_size=256, vocab_size=4096, tie_word_embeddings=True),
 }
 VARIANTS = {  # name -> Trainer layout (None: the plain loop)
-    "miles former: full logits, padded": dict(qkv_format="bshd", log_probs_chunk_size=-1, former=True),
+    "miles former: full logits padded": dict(qkv_format="bshd", log_probs_chunk_size=-1, former=True),
     "miles chunked: padded (bshd)": dict(qkv_format="bshd"),
     "miles chunked: packed (thd)": dict(qkv_format="thd"),
     "miles packed + grad ckpt": dict(qkv_format="thd", gradient_checkpointing=True),
-    "plain PyTorch: autocast, fp32 master": None,
+    "plain PyTorch: autocast fp32 master": None,
     "plain PyTorch: bf16 weights": "bf16",
 }
 
