@@ -79,6 +79,12 @@ class TrainConfig:
     tis_clip: float
     calculate_per_token_loss: bool
     """Loss summed over the global batch's response tokens and divided by their count (DAPO)."""
+    qkv_format: str = "thd"
+    """thd: each micro-batch packed into one row of its real tokens (varlen attention); bshd: padded rows."""
+    log_probs_chunk_size: int = 1024
+    """Response tokens per lm_head + logsumexp chunk (-1: all of a micro-batch's at once)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of keeping them."""
 
     @property
     def needs_ref(self) -> bool:
@@ -220,7 +226,9 @@ def build_configs(args: argparse.Namespace) -> Configs:
             micro_batch_size=a.micro_batch_size, lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad,
             advantage_estimator=a.advantage_estimator, eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high,
             kl_coef=a.kl_coef, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
-            use_tis=a.use_tis, tis_clip=a.tis_clip, calculate_per_token_loss=a.calculate_per_token_loss),
+            use_tis=a.use_tis, tis_clip=a.tis_clip, calculate_per_token_loss=a.calculate_per_token_loss,
+            qkv_format=a.qkv_format, log_probs_chunk_size=a.log_probs_chunk_size,
+            gradient_checkpointing=a.gradient_checkpointing),
         run=RunConfig(output_dir=a.output_dir, num_rollout=a.num_rollout, seed=a.seed, save=a.save,
                       save_interval=a.save_interval, keep_checkpoints=a.keep_checkpoints, load=a.load,
                       allow_branch=a.allow_branch, max_nonfinite_steps=a.max_nonfinite_steps,

@@ -130,6 +130,16 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="loss summed over every response token of the global batch and divided by their count "
                         "(DAPO; TRL loss_type=dapo) instead of each sample's mean averaged over samples (TRL grpo)")
+    g.add_argument("--qkv-format", choices=("thd", "bshd"), default="thd",
+                   help="thd: each micro-batch packed into one row of its real tokens, attention within each "
+                        "sequence (varlen), no padding computed; bshd: right-padded rows (verl: "
+                        "use_remove_padding=False) (default: thd)")
+    g.add_argument("--log-probs-chunk-size", type=int, default=1024, metavar="N",
+                   help="response tokens whose full-vocabulary logits are computed at once, forward and backward; "
+                        "-1: all of a micro-batch's (default: 1024)")
+    g.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute each decoder layer's activations in backward (less memory, about a third more "
+                        "compute)")
     g.add_argument("--max-nonfinite-steps", type=int, default=3, metavar="N",
                    help="steps in a row skipped for a NaN/Inf reward, loss or gradient before the run stops with "
                         "exit 3 (default: 3)")
@@ -197,6 +207,8 @@ def validate_train_args(args: argparse.Namespace) -> None:
               "kl_loss_coef", "weight_decay", allow_zero=True)
     if not 0 < args.rollout_top_p <= 1:
         raise UsageError(f"--rollout-top-p must be in (0, 1] (got {args.rollout_top_p})")
+    if args.log_probs_chunk_size == 0 or args.log_probs_chunk_size < -1:
+        raise UsageError(f"--log-probs-chunk-size must be > 0, or -1 for no chunking (got {args.log_probs_chunk_size})")
 
     _check_batch_sizes(args)
     _check_cluster_flags(args)

@@ -319,7 +319,7 @@ def score(weights: Path, samples, meta: dict, config: dict) -> tuple[list[float]
     (its own scoring pass, `score_rollout`, at the run's micro-batch size and precision)."""
     import torch
 
-    from miles.train.batch import TrainBatch, score_rollout
+    from miles.train.batch import LOG_PROBS_CHUNK_SIZE, TrainBatch, score_rollout
     from miles.train.trainer import mixed_precision
     from miles.utils.models import load_causal_lm, load_tokenizer
 
@@ -334,7 +334,9 @@ def score(weights: Path, samples, meta: dict, config: dict) -> tuple[list[float]
     precision = meta.get("precision") or config.get("precision") or "fp32"
     batch = TrainBatch.from_samples(samples, pad, device)
     logp, _ = score_rollout(model, batch, int(config.get("micro_batch_size") or 8), temperature,
-                            lambda: mixed_precision(precision, device))
+                            lambda: mixed_precision(precision, device),
+                            packed=(config.get("qkv_format") or "thd") == "thd",
+                            chunk_size=int(config.get("log_probs_chunk_size") or LOG_PROBS_CHUNK_SIZE))
     keep = batch.mask.bool()
     return batch.rollout_log_probs[keep].tolist(), logp.float()[keep].tolist()
 

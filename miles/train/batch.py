@@ -1,12 +1,18 @@
-"""Samples -> padded tensors for the trainer, and the trainer's log-probs of response tokens."""
+"""Samples -> padded tensors for the trainer, and the trainer's log-probs of response tokens
+(packed or padded, see `response_log_probs`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from miles.bridge.types import Sample
+from miles.train import attention
+from miles.train.logprobs import chunked_log_probs, output_head, run_to_hidden
+
+LOG_PROBS_CHUNK_SIZE = 1024  # --log-probs-chunk-size: response tokens per lm_head chunk
 
 
 @dataclass
@@ -17,6 +23,7 @@ class TrainBatch:
     mask: torch.Tensor  # (B, R) float, 1 on response tokens that are trained on
     rollout_log_probs: torch.Tensor  # (B, R) the engine's log-probs of the sampled tokens
     rewards: torch.Tensor  # (B,)
+    response_lengths: torch.Tensor  # (B,) response tokens of each row (the rest of its R slots is padding)
     has_rollout_log_probs: bool = True  # False for dumps made without engine log-probs
 
     @classmethod
@@ -39,7 +46,8 @@ class TrainBatch:
             if len(s.rollout_log_probs) == r:
                 rollout_log_probs[i, :r] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        tensors = (input_ids, attention_mask, positions, mask, rollout_log_probs, rewards)
+        lengths = torch.tensor([s.response_length for s in samples], dtype=torch.long)
+        tensors = (input_ids, attention_mask, positions, mask, rollout_log_probs, rewards, lengths)
         has_log_probs = all(len(s.rollout_log_probs) == s.response_length for s in samples)
         return cls(*(t.to(device) for t in tensors), has_rollout_log_probs=has_log_probs)
 
@@ -48,40 +56,74 @@ class TrainBatch:
         width = int(self.attention_mask[start:end].sum(-1).max())
         return TrainBatch(self.input_ids[start:end, :width], self.attention_mask[start:end, :width],
                           self.response_positions[start:end].clamp(max=width - 2), self.mask[start:end],
-                          self.rollout_log_probs[start:end], self.rewards[start:end], self.has_rollout_log_probs)
+                          self.rollout_log_probs[start:end], self.rewards[start:end],
+                          self.response_lengths[start:end], self.has_rollout_log_probs)
 
 
-def response_log_probs(model, batch: TrainBatch, temperature: float, *, with_entropy: bool = False,
-                       with_logits: bool = False):
-    """Log-probs (B, R) of each response token under `model`, at the sampling temperature.
+def response_log_probs(model, batch: TrainBatch, temperature: float, *, packed: bool = True,
+                       chunk_size: int = LOG_PROBS_CHUNK_SIZE, with_entropy: bool = False, with_logits: bool = False):
+    """Log-probs (B, R) of each response token under `model`, at the sampling temperature (0 past
+    each row's response).
 
-    The second value is, when asked, the entropy (B, R) of the next-token distribution (no
-    gradient), or the raw logits (B, R, V) at the response positions.
+    `packed` (--qkv-format thd): the rows run as one row of their real tokens, each sequence with its
+    own position_ids, attending only within itself (train/attention.py); no padding is computed.
+    Otherwise (bshd) the right-padded (B, L) batch runs with its attention mask. Either way only the
+    response positions' hidden states go through lm_head, `chunk_size` of them at a time
+    (train/logprobs.py). The second value is, when asked, the entropy (B, R) of the next-token
+    distribution (no gradient), or the raw logits (B, R, V) at the response positions.
     """
-    position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                   position_ids=position_ids).logits[:, :-1].float()  # (B, L-1, V)
-    raw = logits
-    if temperature > 0:
-        logits = logits / temperature
-    targets = batch.input_ids[:, 1:]
-    log_z = logits.logsumexp(-1)  # (B, L-1)
-    token_logp = logits.gather(-1, targets[..., None]).squeeze(-1) - log_z
-    log_probs = token_logp.gather(1, batch.response_positions)
+    if packed:
+        attention.use_packed_attention(model)  # idempotent; every packed scoring of a model uses the same kernel
+    hidden, flat_ids, index = (_packed_forward if packed else _padded_forward)(model, batch)
+    valid = torch.arange(index.shape[1], device=index.device) < batch.response_lengths[:, None]  # (B, R)
+    rows = index[valid]  # (N,) positions in the flat token grid whose next token is scored
+    log_probs, entropy, logits = chunked_log_probs(output_head(model), hidden[rows], flat_ids[rows + 1], temperature,
+                                                   chunk_size=chunk_size, with_entropy=with_entropy,
+                                                   with_logits=with_logits)
+    zeros = torch.zeros(valid.shape, device=valid.device)
+    log_probs = zeros.masked_scatter(valid, log_probs)
     if with_logits:
-        index = batch.response_positions[..., None].expand(-1, -1, raw.shape[-1])
-        return log_probs, raw.gather(1, index)
-    if not with_entropy:
-        return log_probs, None
-    with torch.no_grad():
-        probs = (logits - log_z[..., None]).exp()
-        entropy = log_z - (probs * logits).sum(-1)
-    return log_probs, entropy.gather(1, batch.response_positions)
+        full = logits.new_zeros((*valid.shape, logits.shape[-1]))
+        full[valid] = logits
+        return log_probs, full
+    return log_probs, (zeros.masked_scatter(valid, entropy) if with_entropy else None)
+
+
+def _padded_forward(model, batch: TrainBatch):
+    """Hidden states (B * L, H) of the padded batch, its token ids (B * L,), and each response
+    position's flat index (B, R)."""
+    b, width = batch.input_ids.shape
+    position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    hidden = run_to_hidden(model, input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                           position_ids=position_ids)
+    index = torch.arange(b, device=hidden.device)[:, None] * width + batch.response_positions
+    return hidden.reshape(b * width, -1), batch.input_ids.reshape(-1), index
+
+
+def _packed_forward(model, batch: TrainBatch):
+    """Hidden states (T, H) of the rows' real tokens run as one packed row, their ids (T,), and each
+    response position's index into them (B, R)."""
+    real = batch.attention_mask.bool()
+    lengths = batch.attention_mask.sum(-1)
+    cu_seq_lens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)  # (B + 1,) where each sequence starts
+    input_ids = batch.input_ids[real][None]  # (1, T)
+    position_ids = (batch.attention_mask.cumsum(-1) - 1)[real][None]  # restarts at 0 for each sequence
+    if model.config._attn_implementation == attention.NAME:
+        # The varlen kernel keeps the sequences apart; an all-ones mask tells transformers not to build a
+        # (T, T) block mask from the position_ids that nothing would read.
+        max_len = int(lengths.max())
+        inputs = dict(attention_mask=torch.ones_like(input_ids), cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens,
+                      max_length_q=max_len, max_length_k=max_len)
+    else:  # transformers finds the sequences from the position_ids (block mask for eager, varlen for flash)
+        inputs = dict(attention_mask=None)
+    hidden = run_to_hidden(model, input_ids=input_ids, position_ids=position_ids, **inputs)
+    index = cu_seq_lens[:-1, None].long() + batch.response_positions
+    return hidden[0], input_ids[0], index
 
 
 @torch.no_grad()
 def score_rollout(model, batch: TrainBatch, micro_batch_size: int, temperature: float, autocast,
-                  with_logits: bool = False):
+                  with_logits: bool = False, *, packed: bool = True, chunk_size: int = LOG_PROBS_CHUNK_SIZE):
     """The trainer's scoring pass: response log-probs (B, R), micro-batch by micro-batch.
 
     `--true-on-policy-mode` runs this very function in the engine too (`score_sequences`), on the
@@ -92,17 +134,19 @@ def score_rollout(model, batch: TrainBatch, micro_batch_size: int, temperature: 
     for start in range(0, batch.rewards.numel(), micro_batch_size):
         with autocast():
             lp, rows = response_log_probs(model, batch.rows(start, start + micro_batch_size), temperature,
-                                          with_logits=with_logits)
+                                          packed=packed, chunk_size=chunk_size, with_logits=with_logits)
         log_probs.append(lp)
         logits.append(rows)
     return torch.cat(log_probs), (torch.cat(logits) if with_logits else None)
 
 
 def score_sequences(model, sequences: list[list[int]], response_lengths: list[int], *, micro_batch_size: int,
-                    temperature: float, pad_token_id: int, autocast):
+                    temperature: float, pad_token_id: int, autocast, packed: bool = True,
+                    chunk_size: int = LOG_PROBS_CHUNK_SIZE):
     """`score_rollout` over token sequences whose last response_lengths[i] tokens are the response:
     (log-probs (B, R), logits (B, R, V)), laid out exactly as in training."""
     samples = [Sample(group_index=0, index=i, prompt="", tokens=seq, response_length=n, loss_mask=[1] * n)
                for i, (seq, n) in enumerate(zip(sequences, response_lengths))]
     batch = TrainBatch.from_samples(samples, pad_token_id, next(model.parameters()).device)
-    return score_rollout(model, batch, micro_batch_size, temperature, autocast, with_logits=True)
+    return score_rollout(model, batch, micro_batch_size, temperature, autocast, with_logits=True, packed=packed,
+                         chunk_size=chunk_size)

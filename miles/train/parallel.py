@@ -11,7 +11,9 @@ on every rank as on one. Each optimizer step's rows are cut into one contiguous 
 each micro-batch loss is already its share of the *global* batch's mean, so the gradient is the
 sum over ranks: FSDP2's reduce-scatter is told to sum (divide factor 1) instead of averaging.
 
-`parallelize` shards a model with FSDP2 (`fully_shard`): each decoder layer, then the root. With
+`parallelize` shards a model with FSDP2 (`fully_shard`): each decoder layer, then the root (whose
+parameters are not resharded after forward; --gradient-checkpointing recomputes inside each
+layer's unit, which FSDP2 gathers again for the recomputation). With
 bf16 on a GPU its mixed-precision policy computes in bf16 and reduces in fp32 over fp32 sharded
 master weights (the optimizer state stays fp32 too); elsewhere compute follows the trainer's
 autocast.
@@ -113,7 +115,9 @@ def parallelize(model: torch.nn.Module, *, precision: str) -> torch.nn.Module:
         if precision == "bf16" and on_gpu else MixedPrecisionPolicy()
     for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+    # The root's parameters (embeddings, final norm, lm_head) stay gathered from forward to backward:
+    # the chunked log-probs (train/logprobs.py) use lm_head's weight after the model's forward returns.
+    fully_shard(model, mp_policy=mp, reshard_after_forward=False)
     for module in model.modules():
         if hasattr(module, "set_gradient_divide_factor"):
             module.set_gradient_divide_factor(1.0)

@@ -38,7 +38,9 @@ from miles.config import TrainConfig
 from miles.train.advantages import ADVANTAGE_ESTIMATORS
 from miles.train.batch import TrainBatch, response_log_probs, score_rollout
 from miles.train.checkpoint import save_checkpoint
+from miles.train.logprobs import check_output_head
 from miles.train.losses import KL_ESTIMATORS, aggregate, masked_mean, policy_loss, tis_weights
+from miles.train.meter import StepMeter, matmul_parameters
 from miles.train.parallel import (SingleRank, full_named_parameters, local_numel, optimizer_state_by_name,
                                   optimizer_state_by_number)
 from miles.utils.digest import bytes_digest16, named_tensors_digest16, tensor_bytes_sha256
@@ -50,6 +52,16 @@ def mixed_precision(precision: str, device_type: str):
     if precision != "bf16":
         return contextlib.nullcontext()
     return torch.autocast(device_type, dtype=torch.bfloat16)
+
+
+def enable_activation_checkpointing(model) -> None:
+    """--gradient-checkpointing: each HF decoder layer recomputes its forward in backward
+    (non-reentrant torch.utils.checkpoint; inside the layer's FSDP2 unit once sharded)."""
+    import warnings
+
+    with warnings.catch_warnings():  # renamed activation_checkpointing_enable in 5.2x; 5.17 has only this name
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 class Trainer:
@@ -64,6 +76,10 @@ class Trainer:
         self.ranks = ranks or SingleRank()
         self.sharded = parallelize is not None
         shard = parallelize or (lambda m: m)
+        check_output_head(model)
+        if cfg.gradient_checkpointing:
+            enable_activation_checkpointing(model)
+        self.matmul_params = matmul_parameters(model)
         self.model = shard(model).train()
         self.ref_model = shard(ref_model).eval() if ref_model is not None else None
         self.temperature = temperature
@@ -84,17 +100,23 @@ class Trainer:
         samples = [Sample(group_index=0, index=0, prompt="", tokens=tokens, response_length=len(tokens) - 1,
                           loss_mask=[1] * (len(tokens) - 1))]
         batch = TrainBatch.from_samples(samples, self.pad_token_id, self.device)
-        return score_rollout(self.model, batch, len(tokens), 1.0, self.autocast)[0][0].tolist()
+        return score_rollout(self.model, batch, len(tokens), 1.0, self.autocast, **self._layout())[0][0].tolist()
+
+    def _layout(self) -> dict:
+        """How micro-batches are laid out and scored (--qkv-format, --log-probs-chunk-size)."""
+        return dict(packed=self.cfg.qkv_format == "thd", chunk_size=self.cfg.log_probs_chunk_size)
 
     def _score(self, model, batch: TrainBatch) -> torch.Tensor:
         """Log-probs of every row: this rank scores its share, the others' are gathered."""
         lo, hi = self.ranks.rows(0, batch.rewards.numel())
-        mine = score_rollout(model, batch.rows(lo, hi), self.cfg.micro_batch_size, self.temperature, self.autocast)[0]
+        mine = score_rollout(model, batch.rows(lo, hi), self.cfg.micro_batch_size, self.temperature, self.autocast,
+                             **self._layout())[0]
         return self.ranks.gather_rows(mine)
 
     def train(self, samples: list[Sample]) -> TrainResult:
         """Scores the rollout, then takes `num_steps_per_rollout` optimizer steps on it."""
         batch = TrainBatch.from_samples(samples, self.pad_token_id, self.device)
+        meter = StepMeter(self.device)
         old_log_probs = self._score(self.model, batch)
         ref_log_probs = self._score(self.ref_model, batch) if self.ref_model is not None else None
         kl = KL_ESTIMATORS[self.cfg.kl_loss_type](old_log_probs, ref_log_probs) if ref_log_probs is not None else None
@@ -114,6 +136,9 @@ class Trainer:
         for key in step_metrics[0]:
             metrics[key] = sum(m[key] for m in step_metrics) / len(step_metrics)
         metrics["train/recompute_logp_max_diff"] = diagnostics.recompute_max_diff = recompute_gap
+        lo, hi = self.ranks.rows(0, batch.rewards.numel())
+        passes = 2 + (2 if self.ref_model is not None else 0) + 6  # policy and reference scoring, fwd + bwd
+        metrics.update(meter.metrics(flops=passes * self.matmul_params * int(batch.attention_mask[lo:hi].sum())))
         if nonfinite:
             metrics["train/skipped_nonfinite"] = 1.0
         hashes = {}
@@ -194,7 +219,8 @@ class Trainer:
                              tokens_in_batch=tokens_in_batch)
 
         with self.autocast():
-            log_probs, entropy = response_log_probs(self.model, mb, self.temperature, with_entropy=True)
+            log_probs, entropy = response_log_probs(self.model, mb, self.temperature, with_entropy=True,
+                                                    **self._layout())
         out = {"recompute_max_diff": ((log_probs.detach() - old_log_probs).abs() * mb.mask).max().item()}
         pg, clipped, ppo_kl = policy_loss(log_probs, old_log_probs, advantages, mb.mask, eps_clip=cfg.eps_clip,
                                           eps_clip_high=cfg.eps_clip_high,

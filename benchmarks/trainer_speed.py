@@ -1,0 +1,192 @@
+"""Trainer throughput, side by side in one run: miles' former log-prob path, the chunked path padded
+(--qkv-format bshd) and packed (thd, the default), with --gradient-checkpointing, and a plain
+PyTorch fwd+bwd+AdamW loop on the same model and tokens.
+
+    python benchmarks/trainer_speed.py                       # GPU: Qwen2.5-0.5B shape, 64 x 384, mbs 8
+    python benchmarks/trainer_speed.py --device cpu --shape tiny --samples 16 --seq 96 --micro-batch 4
+    python benchmarks/trainer_speed.py --ragged              # responses of 1..R tokens: where packing pays
+
+Random weights (seeded), fp32 master weights under bf16 autocast on CUDA (fp32 on CPU), as
+`Trainer.train` runs them; prompts of --prompt tokens, responses of --seq - --prompt (EOS off).
+Each variant runs in its own process (so its peak memory is its own): one warm-up `train` call,
+then --steps timed ones. Columns: tok/s (real tokens per second), TFLOP/s and MFU of model FLOPs
+(miles: 8N per token, scoring forward 2N + training fwd/bwd 6N; the plain loop: 6N; N = parameters
+but the untied input embedding; MFU against --peak-tflops, 989 = H100/H200 dense bf16), peak GiB
+(CUDA: max_memory_allocated over the timed steps; CPU: the process's peak RSS, model included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+SHAPES = {  # Qwen2.5-0.5B, and a tiny one for a CPU
+    "qwen0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                     intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+    "tiny": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=256, vocab_size=4096, tie_word_embeddings=True),
+}
+VARIANTS = {  # name -> Trainer layout (None: the plain loop)
+    "miles former: full logits padded": dict(qkv_format="bshd", log_probs_chunk_size=-1, former=True),
+    "miles chunked: padded (bshd)": dict(qkv_format="bshd"),
+    "miles chunked: packed (thd)": dict(qkv_format="thd"),
+    "miles packed + grad ckpt": dict(qkv_format="thd", gradient_checkpointing=True),
+    "plain PyTorch: autocast fp32 master": None,
+    "plain PyTorch: bf16 weights": "bf16",
+}
+
+
+def former_response_log_probs(model, batch, temperature, *, with_entropy=False, with_logits=False, **_layout):
+    """miles' log-prob path before chunking: fp32 logits (B, L-1, V) of every position."""
+    position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                   position_ids=position_ids).logits[:, :-1].float()
+    logits = logits / temperature if temperature > 0 else logits
+    log_z = logits.logsumexp(-1)
+    token_logp = logits.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1) - log_z
+    log_probs = token_logp.gather(1, batch.response_positions)
+    if not with_entropy:
+        return log_probs, None
+    with torch.no_grad():
+        entropy = log_z - ((logits - log_z[..., None]).exp() * logits).sum(-1)
+    return log_probs, entropy.gather(1, batch.response_positions)
+
+
+def make_model(args):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(**SHAPES[args.shape], max_position_embeddings=4096, attn_implementation="sdpa")
+    return Qwen2ForCausalLM(config).to(args.device)
+
+
+def make_samples(args, vocab: int):
+    from miles.bridge.types import Sample
+
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(args.samples):
+        r = args.seq - args.prompt
+        if args.ragged:
+            r = int(torch.randint(1, r + 1, (1,), generator=g))
+        tokens = torch.randint(3, vocab, (args.prompt + r,), generator=g).tolist()
+        out.append(Sample(group_index=i // 8, index=i, prompt="", tokens=tokens, response_length=r,
+                          loss_mask=[1] * r, reward=float(i % 3)))
+    return out
+
+
+def run_miles(args, layout: dict, model, samples):
+    from miles.config import TrainConfig
+    from miles.train import batch as batch_module
+    from miles.train import trainer as trainer_module
+
+    if layout.pop("former", False):
+        batch_module.response_log_probs = trainer_module.response_log_probs = former_response_log_probs
+    cfg = TrainConfig(num_steps_per_rollout=1, global_batch_size=len(samples), micro_batch_size=args.micro_batch,
+                      lr=1e-6, weight_decay=0.0, clip_grad=1.0, advantage_estimator="grpo", eps_clip=0.2,
+                      eps_clip_high=0.2, kl_coef=0.0, use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="k1",
+                      use_tis=False, tis_clip=2.0, calculate_per_token_loss=False, **layout)
+    trainer = trainer_module.Trainer(cfg, model, None, temperature=1.0, group_size=8, pad_token_id=0,
+                                     precision=args.precision)
+    return lambda: trainer.train(samples), 8
+
+
+def run_plain(args, weights: str | None, model, samples):
+    """fwd + bwd (next-token cross-entropy on the padded micro-batch) + AdamW, one step per rollout."""
+    import contextlib
+
+    if weights == "bf16":
+        model = model.to(torch.bfloat16)
+    autocast = (torch.autocast(args.device, dtype=torch.bfloat16) if args.precision == "bf16" and weights != "bf16"
+                else contextlib.nullcontext())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    ids = torch.full((len(samples), args.seq), 0, dtype=torch.long)
+    for i, s in enumerate(samples):
+        ids[i, : len(s.tokens)] = torch.tensor(s.tokens)
+    ids = ids.to(args.device)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        for start in range(0, len(samples), args.micro_batch):
+            mb = ids[start:start + args.micro_batch]
+            with autocast:
+                logits = model(input_ids=mb).logits
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), mb[:, 1:].flatten())
+            loss.backward()
+        optimizer.step()
+
+    return step, 6
+
+
+def one_variant(args) -> dict:
+    from miles.train.meter import matmul_parameters
+
+    model = make_model(args)
+    samples = make_samples(args, model.config.vocab_size)
+    n_params = matmul_parameters(model)
+    spec = VARIANTS[args.variant]
+    step, flops_per_param = (run_miles(args, dict(spec), model, samples) if isinstance(spec, dict)
+                             else run_plain(args, spec, model, samples))
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    step()  # warm-up
+    sync()
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - start)
+    tokens = sum(len(s.tokens) for s in samples)
+    seconds = statistics.median(times)
+    peak = (torch.cuda.max_memory_allocated() if args.device == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
+    tflops = flops_per_param * n_params * tokens / seconds / 1e12
+    return {"tok_s": tokens / seconds, "tflops": tflops, "step_s": seconds, "peak_gib": peak, "params": n_params}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shape", choices=SHAPES, default="qwen0.5b")
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=384, help="tokens per sample (prompt + response)")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--ragged", action="store_true", help="response lengths uniform in 1..seq-prompt")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="for MFU (default: 989 on CUDA)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of the names")
+    ap.add_argument("--variant", help=argparse.SUPPRESS)  # one variant, in this process (the parent's child)
+    args = ap.parse_args()
+    args.precision = "bf16" if args.device == "cuda" else "fp32"
+    if args.variant:
+        print(json.dumps(one_variant(args)))
+        return
+    peak = args.peak_tflops or (989.0 if args.device == "cuda" else None)
+    base = [a for a in sys.argv[1:] if not a.startswith("--variants")]
+    print(f"{args.device} {args.precision}, shape {args.shape}, {args.samples} x {args.seq} tokens "
+          f"({'ragged responses' if args.ragged else f'prompt {args.prompt}'}), micro-batch {args.micro_batch}, "
+          f"median of {args.steps} steps after 1 warm-up")
+    print(f"{'variant':40}{'tok/s':>10}{'TFLOP/s':>10}{'MFU':>8}{'step s':>9}{'peak GiB':>10}")
+    for name in args.variants.split(","):
+        proc = subprocess.run([sys.executable, __file__, *base, "--variant", name], capture_output=True, text=True)
+        if proc.returncode:
+            print(f"{name:40} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1][:120]}")
+            continue
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        mfu = f"{r['tflops'] / peak:.1%}" if peak else "-"
+        print(f"{name:40}{r['tok_s']:>10.0f}{r['tflops']:>10.2f}{mfu:>8}{r['step_s']:>9.3f}{r['peak_gib']:>10.2f}")
+    print(f"N = {r['params'] / 1e6:.1f}M parameters in matmuls")
+
+
+if __name__ == "__main__":
+    main()
