@@ -335,7 +335,7 @@ def score(weights: Path, samples, meta: dict, config: dict) -> tuple[list[float]
     batch = TrainBatch.from_samples(samples, pad, device)
     logp, _ = score_rollout(model, batch, int(config.get("micro_batch_size") or 8), temperature,
                             lambda: mixed_precision(precision, device),
-                            packed=(config.get("qkv_format") or "thd") == "thd",
+                            packed=(config.get("qkv_format") or "bshd") == "thd",
                             chunk_size=int(config.get("log_probs_chunk_size") or LOG_PROBS_CHUNK_SIZE))
     keep = batch.mask.bool()
     return batch.rollout_log_probs[keep].tolist(), logp.float()[keep].tolist()
