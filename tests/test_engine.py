@@ -171,6 +171,26 @@ def test_sampling_at_a_large_vocabulary_follows_the_reported_distribution():
     assert ((sampled32 <= 0) & (target > 1e-12)).sum().item() > 1000
 
 
+@pytest.mark.parametrize("vocab", [151_936, 1000, 129, 7])
+def test_the_blocked_search_draws_what_a_full_cdf_search_draws(vocab):
+    """The two-level inverse CDF (block masses, then the block's own CDF) picks, for every uniform,
+    the token a float64 cumsum over the whole vocabulary picks (vocabularies a multiple of the block
+    and not), including uniforms at the very ends."""
+    from miles.rollout.sampling import _blocked_inverse_cdf
+
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(4, vocab, generator=gen) * 3
+    logits[:, : min(8, vocab)] += 12
+    log_probs = logits - logits.logsumexp(-1, keepdim=True)
+    full = log_probs.exp().double().cumsum(-1)
+    u = torch.cat([torch.rand(4000, generator=gen, dtype=torch.float64), torch.tensor([0.0, 1 - 2**-53] * 2)])
+    rows = torch.arange(len(u)) % 4
+    got = _blocked_inverse_cdf(log_probs[rows], u)
+    want = torch.searchsorted(full[rows], (u * full[rows, -1])[:, None], right=True).squeeze(-1).clamp(max=vocab - 1)
+    assert torch.equal(got, want)
+    assert got.max().item() < vocab
+
+
 def test_large_vocabulary_draws_land_in_the_tail_at_the_tail_rate():
 
     vocab = 151_936

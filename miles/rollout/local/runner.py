@@ -122,31 +122,27 @@ def _post_attention(x, attended, o_w, o_b, norm, gate_up_w, down_w, *, eps: floa
     return x + F.linear(F.silu(gate) * up, down_w)
 
 
-def _fuse(linears) -> torch.Tensor:
-    """One (sum of rows, in) weight whose row blocks become the linears' weights (views of it)."""
-    fused = torch.cat([lin.weight.detach() for lin in linears])
+def _fuse(linears, attr: str) -> torch.Tensor:
+    """One tensor of the linears' `attr` (weight or bias) stacked by rows, whose row blocks become
+    those parameters (views of it)."""
+    fused = torch.cat([getattr(lin, attr).detach() for lin in linears])
     start = 0
     for lin in linears:
-        rows = lin.weight.shape[0]
-        lin.weight = torch.nn.Parameter(fused[start:start + rows], requires_grad=lin.weight.requires_grad)
-        start += rows
+        old = getattr(lin, attr)
+        setattr(lin, attr, torch.nn.Parameter(fused[start:start + old.shape[0]], requires_grad=old.requires_grad))
+        start += old.shape[0]
     return fused
 
 
 def _fuse_bias(linears) -> torch.Tensor | None:
+    """The fused bias, None when no linear has one (a missing one among others becomes zeros)."""
     if all(lin.bias is None for lin in linears):
         return None
     for lin in linears:
         if lin.bias is None:
             lin.bias = torch.nn.Parameter(torch.zeros(lin.weight.shape[0], dtype=lin.weight.dtype,
                                                       device=lin.weight.device), requires_grad=False)
-    fused = torch.cat([lin.bias.detach() for lin in linears])
-    start = 0
-    for lin in linears:
-        rows = lin.bias.shape[0]
-        lin.bias = torch.nn.Parameter(fused[start:start + rows], requires_grad=lin.bias.requires_grad)
-        start += rows
-    return fused
+    return _fuse(linears, "bias")
 
 
 class _LayerWeights:
@@ -156,8 +152,8 @@ class _LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
         self.qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
         self.gate_up = (mlp.gate_proj, mlp.up_proj)
-        self.qkv_w, self.qkv_b = _fuse(self.qkv), _fuse_bias(self.qkv)
-        self.gate_up_w = _fuse(self.gate_up)
+        self.qkv_w, self.qkv_b = _fuse(self.qkv, "weight"), _fuse_bias(self.qkv)
+        self.gate_up_w = _fuse(self.gate_up, "weight")
         self.norm, self.post_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
         self.q_norm = attn.q_norm.weight if hasattr(attn, "q_norm") else None
         self.k_norm = attn.k_norm.weight if hasattr(attn, "k_norm") else None
