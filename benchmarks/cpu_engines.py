@@ -17,7 +17,7 @@ pass'`) started for it and killed after. A local row's process starts after the 
 (started once per mode) is measured quiet, then loaded. One warm-up, then `--repeats` timed runs
 (fewer when one row's runs pass `--max-seconds`); tok/s counts the tokens generated (EOS ends a
 response, so counts differ a little). Prints median, min and max per row and the ratio of
-medians to vLLM's in the same condition.
+medians to vLLM's in the same condition; `loadavg` is the 1-minute load average as a row starts.
 """
 
 from __future__ import annotations
@@ -100,6 +100,11 @@ def run_child(kind: str, args: argparse.Namespace) -> tuple[list[float], str]:
     return result["rates"], result["threads"]
 
 
+def progress(kind: str, condition: str, rates: list[float], threads: str) -> None:
+    print(f"  {LABELS[kind]:<24} {condition:<8} tok/s {[round(r, 1) for r in rates]} {threads}", file=sys.stderr,
+          flush=True)
+
+
 @contextlib.contextmanager
 def busy(n: int, settle: float):
     """n busy-looping processes for the duration, killed after; `settle` seconds' head start."""
@@ -134,9 +139,10 @@ def vllm_rows(mode: str, args: argparse.Namespace, conditions, tokenizer) -> dic
         engine = RemoteEngine([server], concurrency=64)
         for condition, load in conditions:
             with busy(load, 2.0) if load else contextlib.nullcontext():
+                before = os.getloadavg()[0]
                 rows[(mode, condition)] = (timed(engine, prompts, sampling, seeds, args.repeats, args.max_seconds),
-                                           os.getloadavg()[0], "")
-            print(f"  {LABELS[mode]:<24} {condition:<8} done", file=sys.stderr, flush=True)
+                                           before, "")
+            progress(mode, condition, rows[(mode, condition)][0], "")
     return rows
 
 
@@ -171,7 +177,7 @@ def main() -> None:
                 before = os.getloadavg()[0]
                 rates, threads = run_child(kind, args)
             rows[(kind, condition)] = (rates, before, threads)
-            print(f"  {LABELS[kind]:<24} {condition:<8} done: {threads}", file=sys.stderr, flush=True)
+            progress(kind, condition, rates, threads)
     report(rows, engines, conditions, args)
 
 

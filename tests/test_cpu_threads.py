@@ -112,3 +112,13 @@ def test_miles_serve_sets_passive_and_logs_the_flag(tiny_model, tmp_path, monkey
     log = (tmp_path / "serve.log").read_text()
     assert PASSIVE_SEEN in log
     assert "CPU threads: 1 of " in log and "--cpu-threads), OMP_WAIT_POLICY=PASSIVE" in log
+
+
+def test_vllm_is_started_eager_unless_the_benchmark_asks_for_its_compiled_mode():
+    from miles.rollout.remote.launcher import server_command
+
+    def command(**extra):
+        return server_command("vllm", "/m", 8000, precision="fp32", seed=0, max_model_len=2048, python="python",
+                              weight_version=0, device="cpu", **extra)[0]
+
+    assert "--enforce-eager" in command() and "--enforce-eager" not in command(enforce_eager=False)
