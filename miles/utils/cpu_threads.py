@@ -12,8 +12,8 @@ tok/s quiet, ~20 loaded, where vLLM, one thread bound to one core, kept ~140). S
   loads it): OMP_WAIT_POLICY=PASSIVE, idle threads sleep at once, unless the user has set
   OMP_WAIT_POLICY or GOMP_SPINCOUNT. Child processes (servers, Ray workers) inherit it.
 - `setup_cpu_threads(override)`, once torch is loaded: the thread count from `choose_threads`,
-  the cores this process may use (its affinity mask) less the load other processes put on
-  them now (the 1-minute load average), at least one; `--cpu-threads` or OMP_NUM_THREADS win.
+  the cores this process may use (its affinity mask) less the whole cores other processes keep
+  busy now (the 1-minute load average, rounded down), at least one; `--cpu-threads` or OMP_NUM_THREADS win.
   It logs one line: `CPU threads: 1 of 2 cores (load 1.9), OMP_WAIT_POLICY=PASSIVE`.
 
 The choice is made at start; load that comes or goes later does not change it.
@@ -62,13 +62,13 @@ def choose_threads(*, cores: int, load: float, total_cpus: int, override: int | 
 
     `cores`: the CPUs this process may run on; `load`: the 1-minute load average of the host's
     `total_cpus`, of which the share on our cores (load x cores / total_cpus, rounded) is taken
-    to be busy. `override` (--cpu-threads) wins, then a numeric OMP_NUM_THREADS (which torch has
+    to be busy, in whole cores (rounded down). `override` (--cpu-threads) wins, then a numeric OMP_NUM_THREADS (which torch has
     already applied)."""
     if override is not None:
         return override, "--cpu-threads"
     if omp_num_threads is not None and omp_num_threads.strip().isdigit() and int(omp_num_threads) > 0:
         return int(omp_num_threads), "OMP_NUM_THREADS"
-    busy = int(load * cores / max(total_cpus, cores) + 0.5)
+    busy = int(load * cores / max(total_cpus, cores))  # whole cores only: a process just ended (pip) leaves ~1
     return max(1, cores - busy), None
 
 
