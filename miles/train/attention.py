@@ -29,9 +29,12 @@ NAME = "miles_sdpa"
 
 def use_packed_attention(model: torch.nn.Module) -> torch.nn.Module:
     """`model` with its sdpa attention replaced by `packed_sdpa_attention` (other implementations kept)."""
-    if model.config._attn_implementation == "sdpa":
+    from miles.train.logprobs import causal_lm
+
+    lm = causal_lm(model)
+    if lm.config._attn_implementation == "sdpa":
         register()
-        model.set_attn_implementation(NAME)
+        lm.set_attn_implementation(NAME)
     return model
 
 

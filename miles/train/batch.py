@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from miles.bridge.types import Sample
 from miles.train import attention
-from miles.train.logprobs import chunked_log_probs, output_head, run_to_hidden
+from miles.train.logprobs import causal_lm, chunked_log_probs, output_head, run_to_hidden
 
 LOG_PROBS_CHUNK_SIZE = 1024  # --log-probs-chunk-size: response tokens per lm_head chunk
 
@@ -108,7 +108,7 @@ def _packed_forward(model, batch: TrainBatch):
     cu_seq_lens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)  # (B + 1,) where each sequence starts
     input_ids = batch.input_ids[real][None]  # (1, T)
     position_ids = (batch.attention_mask.cumsum(-1) - 1)[real][None]  # restarts at 0 for each sequence
-    if model.config._attn_implementation == attention.NAME:
+    if causal_lm(model).config._attn_implementation == attention.NAME:
         # The varlen kernel keeps the sequences apart; an all-ones mask tells transformers not to build a
         # (T, T) block mask from the position_ids that nothing would read.
         max_len = int(lengths.max())

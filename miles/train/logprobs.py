@@ -43,8 +43,15 @@ class OutputHead:
         return logits.float()
 
 
+def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The HF causal LM in `model`: itself, or the first submodule that is one (a `parallelize`
+    hook may wrap the model in a module of its own)."""
+    return next(m for m in model.modules() if hasattr(m, "get_output_embeddings") and hasattr(m, "base_model"))
+
+
 def output_head(model: torch.nn.Module) -> OutputHead:
     """The output projection of an HF causal LM and its logit transform, read from its config."""
+    model = causal_lm(model)
     config = model.config
     head = model.get_output_embeddings()
     scale = float(getattr(config, "logit_scale", None) or 1.0)
@@ -56,7 +63,7 @@ def output_head(model: torch.nn.Module) -> OutputHead:
 def run_to_hidden(model: torch.nn.Module, **inputs) -> torch.Tensor:
     """The final (normed) hidden states (B, L, H) of `model(**inputs)`, with lm_head run on no row."""
     captured = []
-    hook = model.base_model.register_forward_hook(lambda _m, _args, out: captured.append(out[0]))
+    hook = causal_lm(model).base_model.register_forward_hook(lambda _m, _args, out: captured.append(out[0]))
     try:
         empty = torch.zeros(0, dtype=torch.long, device=inputs["input_ids"].device)
         model(**inputs, logits_to_keep=empty, use_cache=False)

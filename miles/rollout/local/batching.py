@@ -169,8 +169,8 @@ class _Call:
         for s in occupied:
             self.bound[s] = min(self.bound[s] + 1, self.runner.cache.length)
         self.step_count += 1
-        if self.progress is not None:
-            self.progress(min(self.step_count, self.steps))
+        if self.progress is not None:  # tokens of the longest row: the prefill's first one and a step's each
+            self.progress(min(self.step_count + 1, self.steps))
 
     def _advance(self, slots: torch.Tensor, logits: torch.Tensor) -> None:
         """Samples the next token of each slot in `slots` from its logits (k, V) and updates its state;
