@@ -6,7 +6,7 @@ The workload of benchmarks/engines.py: the demo model (fp32), the demo task's fi
 (chat template) x 64 new tokens, temperature 1, one seed per sample. Rows:
   local         LocalEngine(model, ...).generate in a fresh process set up as `miles train` sets
                 itself up on a CPU (miles.utils.cpu_threads: OMP_WAIT_POLICY=PASSIVE before torch
-                loads, threads from cores and load); its `CPU threads:` line is printed;
+                loads, a thread per core); its `CPU threads:` line is printed;
   local-torch   the same with torch's defaults (a thread per core, spin-waiting): the old behaviour;
   vllm-eager    a vLLM server (`--enforce-eager`, fp32, its default thread binding) through
                 --rollout-backend vllm's client (one request per sample);

@@ -18,25 +18,16 @@ from test_serve import ServeProcess
 PASSIVE_SEEN = "GOMP_SPINCOUNT = '0'"  # libgomp's OMP_DISPLAY_ENV=VERBOSE report under OMP_WAIT_POLICY=PASSIVE
 
 
-@pytest.mark.parametrize("cores, load, total, expected", [
-    (2, 0.0, 2, 2),  # quiet: every core
-    (2, 0.4, 2, 2),  # less than a core busy: rounded away
-    (2, 0.9, 2, 2),  # a process that just ended (pip) leaves ~1 for a minute: still both cores
-    (2, 1.2, 2, 1),  # one other busy process
-    (2, 1.9, 2, 1),  # both cores busy: still one thread
-    (2, 9.0, 2, 1),
-    (8, 3.0, 8, 5),
-    (4, 8.0, 16, 2),  # taskset to 4 of 16 CPUs: a quarter of the host's load lands on ours
-])
-def test_threads_are_the_cores_less_the_load(cores, load, total, expected):
-    assert choose_threads(cores=cores, load=load, total_cpus=total) == (expected, None)
+@pytest.mark.parametrize("cores", [1, 2, 8])
+def test_one_thread_per_core_this_process_may_use(cores):
+    assert choose_threads(cores=cores) == (cores, None)
 
 
-def test_the_flag_then_omp_num_threads_win_over_the_load():
-    assert choose_threads(cores=2, load=1.9, total_cpus=2, override=2, omp_num_threads="1") == (2, "--cpu-threads")
-    assert choose_threads(cores=2, load=1.9, total_cpus=2, omp_num_threads="2") == (2, "OMP_NUM_THREADS")
+def test_the_flag_then_omp_num_threads_win():
+    assert choose_threads(cores=2, override=1, omp_num_threads="3") == (1, "--cpu-threads")
+    assert choose_threads(cores=2, omp_num_threads="3") == (3, "OMP_NUM_THREADS")
     for unusable in ("", "0", "two", "2,1"):  # not a thread count torch took: miles chooses
-        assert choose_threads(cores=2, load=0.0, total_cpus=2, omp_num_threads=unusable) == (2, None)
+        assert choose_threads(cores=2, omp_num_threads=unusable) == (2, None)
 
 
 def test_passive_unless_the_user_chose_or_torch_is_loaded():
@@ -64,18 +55,18 @@ def threads_restored():
 
 
 def test_setup_sets_torch_threads_and_logs_one_line(monkeypatch, caplog, threads_restored):
-    monkeypatch.setattr(cpu_threads, "affinity_cores", lambda: 2)
-    monkeypatch.setattr(cpu_threads.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(cpu_threads, "affinity_cores", lambda: 2)  # the affinity mask, not the host's count
+    monkeypatch.setattr(cpu_threads.os, "cpu_count", lambda: 16)
     monkeypatch.setattr(cpu_threads.os, "getloadavg", lambda: (1.9, 1.0, 1.0))
     monkeypatch.setattr(cpu_threads, "_wait_policy", "OMP_WAIT_POLICY=PASSIVE")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     with caplog.at_level(logging.INFO, logger="miles"):
         setup = cpu_threads.setup_cpu_threads()
-    assert torch.get_num_threads() == setup.threads == 1
-    assert [r.getMessage() for r in caplog.records] == ["CPU threads: 1 of 2 cores (load 1.9), OMP_WAIT_POLICY=PASSIVE"]
-    assert cpu_threads.setup_cpu_threads(2).line() == ("CPU threads: 2 of 2 cores (load 1.9, --cpu-threads), "
+    assert torch.get_num_threads() == setup.threads == 2
+    assert [r.getMessage() for r in caplog.records] == ["CPU threads: 2 of 2 cores (load 1.9), OMP_WAIT_POLICY=PASSIVE"]
+    assert cpu_threads.setup_cpu_threads(1).line() == ("CPU threads: 1 of 2 cores (load 1.9, --cpu-threads), "
                                                        "OMP_WAIT_POLICY=PASSIVE")
-    assert torch.get_num_threads() == 2
+    assert torch.get_num_threads() == 1
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -33,8 +33,8 @@ def register(commands) -> None:
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="(default: cuda if available)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="sdpa", help="(default: sdpa)")
     g.add_argument("--cpu-threads", type=int, default=None, metavar="N",
-                   help="torch's intra-op threads (default on a CPU: this process's cores less the load other "
-                        "processes put on them, at least 1, logged as `CPU threads:`; on a GPU torch's); several "
+                   help="torch's intra-op threads (default on a CPU: one per core this process may use, logged as "
+                        "`CPU threads:`; on a GPU torch's); several "
                         "servers on one host run far faster with cores / servers each than all on every core")
     g.add_argument("--mem-fraction-static", type=float, default=None, metavar="F",
                    help="on CUDA, the most of the GPU's memory this server may take, as a fraction in (0, 1] "
