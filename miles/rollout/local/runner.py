@@ -6,7 +6,7 @@ only attention and its cache:
   - `SlotKVCache`: per layer one (S, H, L, D) key and one value tensor, allocated once. A sequence
     owns a slot; its token at position p is cached at column p of its slot.
   - prefill: the prompts of a batch packed into one row of tokens (no padding), attention per
-    prompt (`torch.nn.attention.varlen.varlen_attn` on a GPU, one causal SDPA per prompt elsewhere),
+    prompt (miles.utils.varlen: torch's `varlen_attn` on a GPU, one causal SDPA per prompt elsewhere),
     their keys and values written to their slots in one indexed copy per layer;
   - decode: one token for each of slots [0, b), attending to columns [0, Lb) of its slot under a
     (b, Lb) mask of the positions it has. The g query heads that share a KV head attend as g
@@ -26,11 +26,12 @@ Shapes: S slots, L slot length, H KV heads, Q query heads, D head dim, V vocabul
 
 from __future__ import annotations
 
-import inspect
 import logging
 
 import torch
 import torch.nn.functional as F
+
+from miles.utils.varlen import packed_causal_attention
 
 logger = logging.getLogger("miles")
 
@@ -185,9 +186,7 @@ class ModelRunner:
         self.buckets: list[int] = []
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
-        self._varlen = _varlen_attention() if self.device.type == "cuda" else None
         self.eps = getattr(cfg, "rms_norm_eps", 1e-6)
-        self.compile = compile
         self._pre, self._post = _pre_attention, _post_attention
         if compile:
             self._pre = torch.compile(_pre_attention, dynamic=True, fullgraph=True)
@@ -275,6 +274,7 @@ class ModelRunner:
         starts = [0]
         for n in lengths:
             starts.append(starts[-1] + n)
+        cu_seq_lens = torch.tensor(starts, dtype=torch.int32, device=self.device)  # (B + 1,)
         wanted = torch.tensor([i for s, n, k in zip(starts, lengths, keep) for i in range(s + n - k, s + n)],
                               device=self.device)
         cos, sin = self._cos[positions], self._sin[positions]
@@ -283,19 +283,9 @@ class ModelRunner:
             q, k, v = self._qkv(i, x, cos, sin)
             self.cache.keys[i][slot_of, :, positions] = k.to(self.dtype)
             self.cache.values[i][slot_of, :, positions] = v.to(self.dtype)
-            x = self._finish_layer(i, x, self._prefill_attention(q, k, v, starts))
+            attended = packed_causal_attention(q, k, v, cu_seq_lens, max(lengths), self.scaling)
+            x = self._finish_layer(i, x, attended)
         return self._lm_head(x[wanted])
-
-    def _prefill_attention(self, q, k, v, starts: list[int]) -> torch.Tensor:
-        """Causal attention within each packed prompt: (N, Q, D)."""
-        if self._varlen is not None and q.dtype in (torch.bfloat16, torch.float16):  # flash: half types only
-            return self._varlen(q, k, v.contiguous(), starts, self.scaling)
-        out = torch.empty_like(q)
-        for a, b in zip(starts, starts[1:]):
-            out[a:b] = F.scaled_dot_product_attention(
-                q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None], v[a:b].transpose(0, 1)[None],
-                is_causal=True, scale=self.scaling, enable_gqa=self.group > 1)[0].transpose(0, 1)
-        return out
 
     # -- decode ----------------------------------------------------------------------------------
 
@@ -352,22 +342,3 @@ class ModelRunner:
         self._graphs[(batch, width)] = graph
         return graph
 
-
-def _varlen_attention():
-    """Packed causal attention through torch's flash-attention varlen kernel, when this torch has
-    it in a form that takes grouped KV heads; None otherwise (the SDPA loop is used)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    params = inspect.signature(varlen_attn).parameters
-    if "enable_gqa" not in params:
-        return None
-    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
-
-    def attend(q, k, v, starts: list[int], scale: float) -> torch.Tensor:
-        cu = torch.tensor(starts, dtype=torch.int32, device=q.device)
-        longest = max(b - a for a, b in zip(starts, starts[1:]))
-        return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, enable_gqa=True, **causal)
-
-    return attend
