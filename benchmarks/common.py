@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmark scripts: run `miles train` in process, read its metrics."""
+"""Helpers shared by the benchmark scripts: the issue's model shape, `miles train` in process, its metrics."""
 
 from __future__ import annotations
 
@@ -7,6 +7,11 @@ import statistics
 from pathlib import Path
 
 from miles.cli.main import main
+
+# The speed benchmarks' model: Qwen2.5-0.5B's shape (random weights, built in code on the GPU machine).
+QWEN_0_5B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True,
+                 rope_theta=1000000.0, rms_norm_eps=1e-6)
 
 
 def train(argv: list[str]) -> list[dict]:

@@ -23,15 +23,14 @@ import statistics
 import time
 
 import torch
+from common import QWEN_0_5B
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from miles.config import SamplingParams
 from miles.rollout.local import LocalEngine
 
 SHAPES = {
-    "qwen2.5-0.5b": lambda: Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                                        num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
-                                        max_position_embeddings=32768, tie_word_embeddings=True),
+    "qwen2.5-0.5b": lambda: Qwen2Config(**QWEN_0_5B),
     "smol": lambda: LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                                 intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192,
                                 tie_word_embeddings=True),

@@ -52,11 +52,9 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from common import QWEN_0_5B
 
 SECTIONS = ("ceilings", "engine", "trainer", "grpo", "determinism", "vllm")
-QWEN_0_5B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True,
-                 rope_theta=1000000.0, rms_norm_eps=1e-6)
 H200_BF16_TFLOPS = 989.0  # dense bf16 nominal
 ROOT = str(Path(__file__).resolve().parents[1])
 
@@ -181,7 +179,11 @@ def build_model(device: str, dtype, seed: int = 0):
     """The benchmark model: on CUDA the Qwen2.5-0.5B shape with random weights, on CPU the demo model."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from miles.utils.models import load_causal_lm, quiet_transformers, resolve_checkpoint
+    from miles.utils.models import (
+        load_causal_lm,
+        quiet_transformers,
+        resolve_checkpoint,
+    )
 
     quiet_transformers()
     if device == "cpu":

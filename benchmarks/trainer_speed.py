@@ -26,12 +26,12 @@ import sys
 import time
 
 import torch
+from common import QWEN_0_5B
 
 SHAPES = {  # Qwen2.5-0.5B, and a tiny one for a CPU
-    "qwen0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                     intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+    "qwen0.5b": QWEN_0_5B,
     "tiny": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=256, vocab_size=4096, tie_word_embeddings=True),
+                 intermediate_size=256, vocab_size=4096, tie_word_embeddings=True, max_position_embeddings=4096),
 }
 VARIANTS = {  # name -> Trainer layout (None: the plain loop)
     "miles former: full logits padded": dict(qkv_format="bshd", log_probs_chunk_size=-1, former=True),
@@ -63,7 +63,7 @@ def make_model(args):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(**SHAPES[args.shape], max_position_embeddings=4096, attn_implementation="sdpa")
+    config = Qwen2Config(**SHAPES[args.shape], attn_implementation="sdpa")
     return Qwen2ForCausalLM(config).to(args.device)
 
 
