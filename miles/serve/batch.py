@@ -234,7 +234,8 @@ class SlotBatch:
         size = bucket(len(self.slots), self.runner.buckets)
         movers = [i for i, s in enumerate(self.slots) if s >= size]
         if movers:
-            holes = [s for s in range(size) if s not in set(self.slots)][: len(movers)]
+            taken = set(self.slots)
+            holes = [s for s in range(size) if s not in taken][: len(movers)]
             self.runner.cache.move(torch.tensor([self.slots[i] for i in movers], device=self.device),
                                    torch.tensor(holes, device=self.device))
             for i, hole in zip(movers, holes):

@@ -96,9 +96,9 @@ class _Call:
             occupied = [s for s, r in enumerate(self.owner) if r is not None]
             if not occupied:
                 return
-            self._compact(occupied)
+            occupied = self._compact(occupied)
             for _ in range(self.b.check_every):
-                self._step()
+                self._step(occupied)
 
     # -- the host's checks -------------------------------------------------------------------------
 
@@ -141,12 +141,13 @@ class _Call:
                 self.owner[s] = r
                 self.bound[s] = len(self.prompts[r]) + 1
 
-    def _compact(self, occupied: list[int]) -> None:
-        """Moves the rows of the highest slots into free lower ones when that shrinks the bucket."""
+    def _compact(self, occupied: list[int]) -> list[int]:
+        """Moves the rows of the highest slots into free lower ones when that shrinks the bucket;
+        returns the occupied slots after."""
         size = bucket(len(occupied), self.runner.buckets)
         movers = [s for s in occupied if s >= size]
         if not movers:
-            return
+            return occupied
         holes = [s for s in range(size) if self.owner[s] is None][: len(movers)]
         src = torch.tensor(movers, device=self.b.device)
         dst = torch.tensor(holes, device=self.b.device)
@@ -157,11 +158,12 @@ class _Call:
         self.done[src] = True
         for s, d in zip(movers, holes):
             self.owner[d], self.bound[d], self.owner[s] = self.owner[s], self.bound[s], None
+        return [s for s, r in enumerate(self.owner) if r is not None]
 
     # -- the device's work -----------------------------------------------------------------------
 
-    def _step(self) -> None:
-        occupied = [s for s, r in enumerate(self.owner) if r is not None]
+    def _step(self, occupied: list[int]) -> None:
+        """One decode step of the occupied slots (ascending; unchanged between the host's checks)."""
         batch = bucket(occupied[-1] + 1, self.runner.buckets)
         longest = max(self.bound[s] for s in occupied)
         logits = self.runner.decode(batch, self.last[:batch], self.pos[:batch], longest)
