@@ -90,6 +90,12 @@ class TrainConfig:
     def needs_ref(self) -> bool:
         return (self.use_kl_loss and self.kl_loss_coef > 0) or self.kl_coef > 0
 
+    @property
+    def scoring_layout(self) -> dict:
+        """How micro-batches are laid out and scored: the keywords of miles.train.batch's scoring
+        functions, the same for the trainer and for the engine's true on-policy verifier."""
+        return dict(packed=self.qkv_format == "thd", chunk_size=self.log_probs_chunk_size)
+
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:

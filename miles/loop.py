@@ -411,8 +411,7 @@ def build_engine(path, tokenizer, cfg: Configs, *, weight_version: int, closers:
     autocast = functools.partial(mixed_precision, model_cfg.precision, model_cfg.device)
     score = functools.partial(score_sequences, micro_batch_size=cfg.train.micro_batch_size,
                               temperature=cfg.rollout.sampling.temperature, pad_token_id=tokenizer.pad_token_id,
-                              autocast=autocast, packed=cfg.train.qkv_format == "thd",
-                              chunk_size=cfg.train.log_probs_chunk_size)
+                              autocast=autocast, **cfg.train.scoring_layout)
     logger.info("--true-on-policy-mode: the engine samples from the trainer's own computation (score_rollout, "
                 "micro-batch %d, %s, --qkv-format %s) and reports its log-probs", cfg.train.micro_batch_size,
                 model_cfg.precision, cfg.train.qkv_format)

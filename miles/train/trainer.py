@@ -100,17 +100,15 @@ class Trainer:
         samples = [Sample(group_index=0, index=0, prompt="", tokens=tokens, response_length=len(tokens) - 1,
                           loss_mask=[1] * (len(tokens) - 1))]
         batch = TrainBatch.from_samples(samples, self.pad_token_id, self.device)
-        return score_rollout(self.model, batch, len(tokens), 1.0, self.autocast, **self._layout())[0][0].tolist()
+        return score_rollout(self.model, batch, len(tokens), 1.0, self.autocast,
+                             **self.cfg.scoring_layout)[0][0].tolist()
 
-    def _layout(self) -> dict:
-        """How micro-batches are laid out and scored (--qkv-format, --log-probs-chunk-size)."""
-        return dict(packed=self.cfg.qkv_format == "thd", chunk_size=self.cfg.log_probs_chunk_size)
 
     def _score(self, model, batch: TrainBatch) -> torch.Tensor:
         """Log-probs of every row: this rank scores its share, the others' are gathered."""
         lo, hi = self.ranks.rows(0, batch.rewards.numel())
         mine = score_rollout(model, batch.rows(lo, hi), self.cfg.micro_batch_size, self.temperature, self.autocast,
-                             **self._layout())[0]
+                             **self.cfg.scoring_layout)[0]
         return self.ranks.gather_rows(mine)
 
     def train(self, samples: list[Sample]) -> TrainResult:
@@ -220,7 +218,7 @@ class Trainer:
 
         with self.autocast():
             log_probs, entropy = response_log_probs(self.model, mb, self.temperature, with_entropy=True,
-                                                    **self._layout())
+                                                    **self.cfg.scoring_layout)
         out = {"recompute_max_diff": ((log_probs.detach() - old_log_probs).abs() * mb.mask).max().item()}
         pg, clipped, ppo_kl = policy_loss(log_probs, old_log_probs, advantages, mb.mask, eps_clip=cfg.eps_clip,
                                           eps_clip_high=cfg.eps_clip_high,
