@@ -9,6 +9,10 @@ configuration that writes hashes are then compared with `miles diff-runs`.
 
     python benchmarks/determinism_parts.py [--steps 4] [--repeats 3] [--configs a,b,..] [miles train flags...]
 
+On the GPU machine, `--qwen-shape DIR` first writes the speed benchmark's model there (Qwen2.5-0.5B shape,
+random bf16 weights, the character tokenizer; benchmarks/speed.py) and random prompts, and trains on them
+(bf16, EOS off by the tokenizer, the digit-share reward; add --rollout-batch-size etc. to size the step).
+
 Hashing alone, host sha256 (the digest before this one: parameters copied to the host) against the
 on-device digest, over a Qwen2.5-0.5B-shaped set of tensors (494M parameters):
 
@@ -18,7 +22,7 @@ Configurations: `off`; each part of miles.debug.determinism.PARTS alone; `fill_m
 NaN fill of uninitialised memory, which the mode used to leave on); `mode` (--deterministic-mode);
 `mode_before` (the mode as it was: fill on); `strict` (torch.use_deterministic_algorithms(True)
 without warn_only, which makes flash / memory-efficient SDPA backwards deterministic, so no math
-kernel; float cumsum on CUDA raises under it); `hashes` (--deterministic-mode --debug-determinism).
+kernel; float cumsum on CUDA raises under it); `hashes` (--deterministic-mode --debug-determinism); `true_on_policy` (--true-on-policy-mode).
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ CONFIGS = {
     "mode_before": (["cublas_workspace", "algorithms", "fill_memory", "cudnn", "sdpa_math"], []),
     "strict": (["cublas_workspace", "strict", "cudnn"], []),
     "hashes": ([], ["--deterministic-mode", "--debug-determinism"]),
+    "true_on_policy": ([], ["--true-on-policy-mode"]),
 }
 
 
@@ -100,6 +105,7 @@ def bench(configs: list[str], steps: int, repeats: int, extra: list[str]) -> Non
         for r in range(repeats):  # round-robin: drift of the machine spreads over every configuration
             for name in configs:
                 results[name].append(one_run(name, steps, extra, Path(tmp) / f"{name}-{r}"))
+                print(f"  round {r + 1} {name}: {results[name][-1]}", flush=True)  # a cut run keeps what it had
         identical = {}
         for name in configs:
             runs = [Path(tmp) / f"{name}-{r}" for r in range(repeats)]
@@ -159,6 +165,26 @@ def host_sha256_digest16(named) -> str:
     return h.hexdigest()[:16]
 
 
+def qwen_shape_flags(path: Path) -> list[str]:
+    """Writes the speed benchmark's model and 64 random 128-character prompts under PATH; the flags to train on them."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from speed import build_model, build_tokenizer, check_tokenizer, random_texts
+
+    from miles.utils.models import load_tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    build_model("cuda", torch.bfloat16).save_pretrained(path / "model")
+    build_tokenizer("cuda").save_pretrained(path / "model")
+    check_tokenizer(load_tokenizer(path / "model"), str(path / "model"))
+    prompts = path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": x}) + "\n" for x in random_texts(64, 128)))
+    return ["--hf-checkpoint", str(path / "model"), "--prompt-data", str(prompts), "--input-key", "prompt",
+            "--custom-rm-path", "miles.testing.rewards:digit_share", "--device", "cuda", "--precision", "bf16",
+            "--rollout-temperature", "1.0", "--alignment-check", "off"]
+
+
 def bench_digest(device: str, dtype_name: str, repeats: int) -> None:
     import torch
 
@@ -196,6 +222,8 @@ def main() -> None:
     ap.add_argument("--digest", action="store_true", help="time hashing alone (host sha256 vs on-device digest)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--qwen-shape", metavar="DIR", type=Path, help="GPU: write and train the Qwen2.5-0.5B-shaped "
+                                                                   "random model and prompts under DIR")
     known, extra = ap.parse_known_args()
     if known.digest:
         bench_digest(known.device, known.dtype, known.repeats)
@@ -205,6 +233,8 @@ def main() -> None:
         ap.error(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
     if "off" not in configs:
         configs.insert(0, "off")
+    if known.qwen_shape:
+        extra = qwen_shape_flags(known.qwen_shape) + extra
     bench(configs, known.steps, known.repeats, extra)
 
 
