@@ -33,6 +33,7 @@ from miles.bridge.weight_sync import SyncStats, log_sync, verify_digests
 from miles.config import Configs
 from miles.data.prompts import PromptData, PromptDataset
 from miles.debug.alignment import CheckContext, report, run_checks
+from miles.debug.attribution import log_attribution
 from miles.debug.determinism import HashWriter, enable_deterministic_mode, rollout_hashes
 from miles.debug.print_rollout import log_rollout_samples
 from miles.errors import CheckFailed, RunFailed, Stopped, UsageError, WorkerCrashed
@@ -131,6 +132,8 @@ def train_steps(c: Components, cfg: Configs, signals: StopSignals, metrics_out: 
             c.in_step = True
             metrics = {**rollout_metrics(rollout_id, rollout.samples), **rollout.stats}
             capture_rollout(cfg, rollout_id, rollout, metrics, dump_meta)
+            first_check = step == c.start_step + 1 and debug.alignment_check != "off" and c.trainer is not None
+            gap = attribute_gap(c, cfg, rollout.samples) if first_check else None
             result = train_and_sync(c, cfg, rollout.samples, step, metrics) if c.trainer is not None else None
             nonfinite_steps = nonfinite_steps + 1 if result and result.nonfinite else 0
             if isinstance(c.turns, Colocated):
@@ -148,9 +151,22 @@ def train_steps(c: Components, cfg: Configs, signals: StopSignals, metrics_out: 
                 log_rollout_samples(rollout_id, rollout.samples, limit=2)  # the guide's first look: coherent?
                 checks = run_checks(rollout.samples, metrics, result.diagnostics if result else None,
                                     c.check_context, resumed_after=c.start_step)
-                report(checks, debug.alignment_check, step)
+                report(checks, debug.alignment_check, step,
+                       explain=functools.partial(log_attribution, gap) if gap is not None else None)
             if c.checkpoints is not None:
                 c.checkpoints.after_step(step)
+
+
+def attribute_gap(c: Components, cfg: Configs, samples: list[Sample]):
+    """Step 1, before it trains: if the train/engine gap is high, which factor moves it
+    (miles.debug.attribution); logged after the alignment report when that warns about the gap."""
+    from miles.debug.alignment import train_engine_bound
+    from miles.debug.attribution import measure_mismatch
+
+    if isinstance(c.turns, Colocated):  # the sides hold the device in turns; re-scoring both needs both
+        return "--colocate: run it apart (without --colocate) to attribute"
+    return measure_mismatch(samples, c.trainer, c.engine, temperature=cfg.rollout.sampling.temperature,
+                            precision=cfg.model.precision, bound=train_engine_bound(cfg.model.precision))
 
 
 def guard_nonfinite(c: Components, result: TrainResult | None, step: int, bad_in_a_row: int, limit: int) -> None:

@@ -257,11 +257,13 @@ def test_an_unknown_error_is_still_pointed_at(capsys, tmp_path):
 def test_json_output_shape(capsys):
     rc, report = findings(capsys, FIX / "oom_colocate", FIX / "clean_run")
     assert rc == 1
-    assert set(report) == {"paths", "findings", "signal_phrases", "runs", "read", "skipped", "bundle"}
+    assert set(report) == {"paths", "findings", "signal_phrases", "runs", "facts", "read", "skipped", "bundle"}
     assert report["runs"] == [{"dir": str(FIX / "clean_run"), "state": "finished", "detail": (
         f"finished: {FIX / 'clean_run' / 'train.log'}:33: Done: 3 steps; metrics in runs/clean/metrics.jsonl")}]
     f = report["findings"][0]
-    assert set(f) == {"id", "symptom", "confidence", "level", "evidence", "likely_culprit", "fix"}
+    assert set(f) == {"id", "symptom", "confidence", "level", "evidence", "likely_culprit", "fix", "culprit_id",
+                      "seen_before"}
+    assert f["culprit_id"] == "oom_disguised"
     assert 0 < f["confidence"] <= 1 and all(set(e) == {"where", "text"} for e in f["evidence"])
     # Secrets in quoted evidence are redacted too (the launch line carries a W&B key).
     assert "8f3a1c0d9e2b" not in json.dumps(report)

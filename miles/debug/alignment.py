@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from miles.bridge.types import Sample, mean_rollout_log_prob
@@ -109,6 +110,11 @@ def check_policy_vs_ref(max_diff: float, kl: float, against: str) -> Check:
 
 # -- c. trainer vs engine -----------------------------------------------------------------------
 
+def train_engine_bound(precision: str) -> float:
+    """The mean train/engine log-prob gap rounding explains: fp32 ~1e-3, bf16/fp16 ~5e-2."""
+    return 1e-3 if precision == "fp32" else 0.05
+
+
 def check_train_vs_engine(mean_diff: float, max_diff: float, precision: str) -> Check:
     """The engine samples; the trainer scores. Their log-probs of the same tokens should agree to
     fp32 rounding in fp32, and to bf16 rounding (~1e-2 per token on average) in bf16."""
@@ -120,7 +126,7 @@ def check_train_vs_engine(mean_diff: float, max_diff: float, precision: str) -> 
                      "the engine's weights are not the trainer's: a weight-sync / parameter-mapping bug or dropped "
                      "buffers in the engine",
                      "--check-weight-update-equal; `miles check-weights`; compare engine buffers")
-    bound = 1e-3 if precision == "fp32" else 0.05
+    bound = train_engine_bound(precision)
     if mean_diff > bound:
         return Check("trainer vs engine", WARN, value,
                      f"precision mismatch between engine and trainer beyond {precision} rounding",
@@ -232,13 +238,16 @@ def reward_stats(samples: list[Sample], rm_type: str | None, label_key: str | No
                        sum(not math.isfinite(s.reward) for s in samples))
 
 
-def report(checks: list[Check], mode: str, step: int) -> None:
-    """Logs the report; raises CheckFailed (exit 3) on a FAIL when mode is `error`."""
+def report(checks: list[Check], mode: str, step: int, explain: Callable[[], object] | None = None) -> None:
+    """Logs the report, then `explain()` when the trainer-vs-engine check is WARN/FAIL (the mismatch
+    attribution); raises CheckFailed (exit 3) on a FAIL when mode is `error`."""
     logger.info("Alignment check after step %d (--alignment-check %s):", step, mode)
     for c in checks:
         (logger.warning if c.verdict in (WARN, FAIL) else logger.info)(c.line())
     counts = {v: sum(c.verdict == v for c in checks) for v in (PASS, WARN, FAIL)}
     logger.info("Alignment check: %d PASS, %d WARN, %d FAIL", counts[PASS], counts[WARN], counts[FAIL])
+    if explain is not None and any(c.name == "trainer vs engine" and c.verdict in (WARN, FAIL) for c in checks):
+        explain()
     if counts[FAIL] and mode == "error":
         failed = ", ".join(c.name for c in checks if c.verdict == FAIL)
         raise CheckFailed(f"alignment check failed: {failed} (see the `Alignment check` lines in train.log)")

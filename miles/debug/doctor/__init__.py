@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from miles.errors import UsageError
 
     corpus = collect(args.paths)
-    findings = diagnose(corpus)
+    findings, _, facts = diagnose_full(corpus)
     for f in findings:  # evidence (and culprits naming an error line) quote logs; logs hold tokens
         f.symptom, f.culprit, f.fix = redact(f.symptom), redact(f.culprit), redact(f.fix)  # fix: resume commands
         for e in f.evidence:
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     runs = run_states(corpus)
     for r in runs:
         r.detail = redact(r.detail)
-    text = render(corpus, findings, sigs, runs)
+    text = render(corpus, findings, sigs, runs, facts)
     bundle = None
     if args.bundle:
         try:
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"paths": args.paths, "findings": [f.to_dict() for f in findings],
                           "signal_phrases": [s.to_dict() for s in sigs], "runs": [r.to_dict() for r in runs],
-                          "read": corpus.read_list(),
+                          "facts": facts.to_dict(), "read": corpus.read_list(),
                           "skipped": [{"path": p, "why": w} for p, w in corpus.skipped],
                           "bundle": str(bundle) if bundle else None}, indent=2))
     else:
@@ -74,17 +74,24 @@ def run(args: argparse.Namespace) -> int:
     return 1 if findings else 0
 
 
-def diagnose(corpus) -> list:
-    """Every rule's findings, merged per symptom and ranked; an unknown error when nothing matched."""
+def diagnose(corpus, index=None) -> list:
+    """Every rule's findings, merged per symptom and ranked, with the knowledge base's known cases
+    (retrieval.py); an unknown error when nothing matched."""
+    return diagnose_full(corpus, index)[0]
+
+
+def diagnose_full(corpus, index=None) -> tuple:
+    """(findings, the knowledge-base match, the facts read from the input)."""
     from miles.debug.doctor import crashes, run_state, signals  # noqa: F401  (importing registers their rules)
     from miles.debug.doctor.findings import merge_and_rank
+    from miles.debug.doctor.retrieval import consult
     from miles.debug.doctor.rules import RULES
 
-    findings = [f for rule in RULES for f in rule(corpus)]
-    return merge_and_rank(findings) or crashes.unrecognised_error(corpus)
+    findings, match, facts = consult(corpus, merge_and_rank([f for rule in RULES for f in rule(corpus)]), index)
+    return findings or crashes.unrecognised_error(corpus), match, facts
 
 
-def render(corpus, findings: list, sigs: list, runs: list = ()) -> str:
+def render(corpus, findings: list, sigs: list, runs: list = (), facts=None) -> str:
     read = corpus.read_list()
     out = []
     if findings:
@@ -94,9 +101,20 @@ def render(corpus, findings: list, sigs: list, runs: list = ()) -> str:
             for k, e in enumerate(f.evidence):
                 out.append(f"   {'evidence:' if k == 0 else '         '} {e.where}: {e.text}")
             out.append(f"   likely culprit: {f.culprit}")
-            out.append(f"   fix: {f.fix}\n")
+            out.append(f"   fix: {f.fix}")
+            for k, case in enumerate(f.seen):
+                out.append(f"   {'seen before in:' if k == 0 else '               '} {case['url']} ({case['framework']}: "
+                           f"{case['title']})")
+            out.append("")
     else:
         out.append("miles doctor: no known symptom found in what was read.\n")
+    if facts is not None and (not findings or all(f.id == "unrecognised_error" for f in findings)):
+        known = facts.summary()
+        out.append("What the doctor could read: " + ("; ".join(known) if known else "no framework, version, flag, "
+                                                                                    "error or metric"))
+        if facts.missing() and not any(log.kind == "miles-train" for log in corpus.logs):  # a run dir holds it all
+            out.append("Missing, to name a culprit: " + "; ".join(facts.missing()))
+        out.append("")
     found = [f"`{s.phrase}` ({s.count}x)" for s in sigs if s.count]
     out.append("Signal phrases: found " + (", ".join(found) if found else "none"))
     for s in sigs:

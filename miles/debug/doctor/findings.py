@@ -13,6 +13,18 @@ from dataclasses import dataclass, field
 
 MAX_EVIDENCE = 6  # per finding: enough to find the spot, short enough to read
 
+# The culprit (kb/culprits.json id) each rule's finding names, where it names one culprit whatever the
+# branch; rules whose culprit depends on what they saw set `kb` themselves.
+RULE_CULPRITS = {
+    "illegal_memory_access": "oom_disguised", "oom_colocate_step2": "oom_disguised", "oom": "oom_disguised",
+    "sglang_kv_too_small": "oom_disguised", "inductor_cache": "inductor_cache", "nccl_timeout": "nccl_weight_sync",
+    "engine_buffers_dropped": "engine_buffers_dropped", "weight_sync_mismatch": "weight_sync_stale",
+    "no_checkpoint_loaded": "params_not_loaded", "instruct_logp": "chat_template", "moe_collapse": "moe_routing",
+    "reward_constant": "reward_bug", "train_engine_mismatch": "logprob_semantics",
+    "kl_step1": "nondeterministic_kernels", "garbled_rollout": "chat_template", "nan_grad": "chat_template",
+    "no_weight_sync": "weight_sync_stale",
+}
+
 
 @dataclass
 class Evidence:
@@ -30,6 +42,11 @@ class Finding:
     fix: str = ""
     fate: bool = False  # how a run ended (run_state.py): ranked above the symptoms
     scope: str = ""  # the run dir a fate is about: findings merge only within one scope
+    kb: str = ""  # the culprit's id in kb/culprits.json ("" for how a run ended, or an unknown error)
+    seen: list[dict] = field(default_factory=list)  # known cases with this culprit: url, framework, title, ...
+
+    def __post_init__(self):
+        self.kb = self.kb or RULE_CULPRITS.get(self.id, "")
 
     @property
     def level(self) -> str:
@@ -38,7 +55,8 @@ class Finding:
     def to_dict(self) -> dict:
         return {"id": self.id, "symptom": self.symptom, "confidence": round(self.confidence, 2),
                 "level": self.level, "evidence": [{"where": e.where, "text": e.text} for e in self.evidence],
-                "likely_culprit": self.culprit, "fix": self.fix}
+                "likely_culprit": self.culprit, "fix": self.fix, "culprit_id": self.kb or None,
+                "seen_before": self.seen}
 
 
 def merge_and_rank(findings: list[Finding]) -> list[Finding]:

@@ -26,7 +26,7 @@ from pathlib import Path
 from miles.debug.doctor.files import LOCK_NAME, not_regular, open_regular, read_lock
 from miles.errors import UsageError
 
-TEXT_SUFFIXES = {"", ".log", ".txt", ".out", ".err", ".stdout", ".stderr", ".json", ".jsonl", ".yaml", ".yml"}
+TEXT_SUFFIXES = {"", ".log", ".txt", ".out", ".err", ".stdout", ".stderr", ".json", ".jsonl", ".yaml", ".yml", ".md"}
 # Model and checkpoint dirs hold big JSON (tokenizers) and weights: nothing a symptom shows in.
 SKIP_DIRS = {".git", "__pycache__", "node_modules", "checkpoints", "tensorboard", ".ipynb_checkpoints"}
 SKIP_NAMES = {"tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
@@ -157,7 +157,7 @@ class Corpus:
         key = ("hints", pattern)
         if key not in self._grep_cache:
             rx = re.compile(pattern, re.IGNORECASE | re.MULTILINE)
-            found = [f"{path}: {k}={v}" for path, cfg in self.configs for k, v in _flatten(cfg)
+            found = [f"{path}: {k}={v}" for path, cfg in self.configs for k, v in flatten(cfg)
                      if rx.search(f"{k}={v}")]
             for log in self.logs:
                 head = log.text[: log.starts[min(2000, len(log.starts) - 1)]] if len(log.starts) > 2000 else log.text
@@ -408,10 +408,10 @@ def _repetition(tokens: list[int], n: int = 4) -> float:
     return 1 - len(set(grams)) / len(grams) if grams else 0.0
 
 
-def _flatten(d: dict, prefix: str = ""):
+def flatten(d: dict, prefix: str = ""):
     for k, v in d.items():
         if isinstance(v, dict):
-            yield from _flatten(v, f"{prefix}{k}.")
+            yield from flatten(v, f"{prefix}{k}.")
         else:
             yield f"{prefix}{k}", v
 

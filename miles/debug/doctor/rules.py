@@ -105,6 +105,28 @@ def alignment_checks(c: Corpus) -> list[Finding]:
 
 
 @rule
+def mismatch_attribution(c: Corpus) -> list[Finding]:
+    """miles' mismatch attribution (miles.debug.attribution) re-scored a probe one factor at a time and
+    named the factor that moves the train/engine gap: that factor is the culprit."""
+    from miles.debug.doctor.knowledge import culprits
+
+    out = []
+    for log, i in c.grep(r"Mismatch attribution \| verdict \| .* culprit id: \w+"):
+        line = log.lines[i]
+        m = re.search(r"verdict \| (?P<factor>[^:]+): (?P<what>.*?) moves the gap (?P<gap>.*?) \| culprit id: (?P<id>\w+)",
+                      line)
+        if not m or m["id"] not in culprits():
+            continue
+        moving = [j for j in range(max(0, i - 8), i) if "Mismatch attribution |" in log.lines[j]
+                  and ("| baseline |" in log.lines[j] or "moves it" in log.lines[j])]
+        known = culprits()[m["id"]]
+        out.append(Finding("mismatch_attribution", f"the train/engine log-prob gap is moved by the {m['factor']} "
+                           f"({m['what']}: {m['gap']})", 0.9, [line_ev(log, i), *(line_ev(log, j) for j in moving)],
+                           f"{known.name} (the {m['factor']} alone moves the gap)", known.fix, kb=m["id"]))
+    return out
+
+
+@rule
 def weight_sync_checks(c: Corpus) -> list[Finding]:
     out = []
     for log, i in c.grep(r"weight_sync (?:buffer )?check FAIL|checksum_ok=false"):
@@ -187,7 +209,8 @@ def garbled_rollout(c: Corpus) -> list[Finding]:
             culprit = "no `Loaded checkpoint from` line: the parameters probably did not load"
             fix = "check --hf-checkpoint / --load / --ref-load; `miles check-weights` against the checkpoint"
         out.append(Finding("garbled_rollout", "garbled rollout" + (" although parameters loaded" if loaded else ""),
-                           0.8 if len(signs) > 1 or d.replacement_frac > 0.2 else 0.65, [shown], culprit, fix))
+                           0.8 if len(signs) > 1 or d.replacement_frac > 0.2 else 0.65, [shown], culprit, fix,
+                           kb="chat_template" if loaded else "params_not_loaded"))
     return out
 
 
@@ -217,7 +240,7 @@ def kl_at_step_one(c: Corpus) -> list[Finding]:
                                "configuration: --ref-load is another checkpoint than the initial policy, or the two "
                                "models run with different precision / parallelism",
                                "point --ref-load at the initial policy (miles: leave it unset); same --precision; "
-                               "re-check TP/PP/CP sizes of actor and reference"))
+                               "re-check TP/PP/CP sizes of actor and reference", kb="parallel_precision_config"))
         elif value > 1e-4:
             out.append(Finding("kl_step1", f"KL != 0 at step {step} (KL / |log_probs - ref_log_probs| {value:.3g}, "
                                "above kernel jitter 1e-4)", 0.75 * weight, evidence,
@@ -347,7 +370,8 @@ def nan_gradients(c: Corpus) -> list[Finding]:
         evidence.append(hint_ev(fp8[0]))
     return [Finding("nan_grad", "NaN/Inf gradients", 0.9, evidence, culprit,
                     ("turn FP8 off (drop --fp8-format) to confirm; " if fp8 else "--precision fp32 to confirm; ")
-                    + "`miles verify-chat-template --model DIR`; keep --clip-grad 1.0")]
+                    + "`miles verify-chat-template --model DIR`; keep --clip-grad 1.0",
+                    kb="fp8_overflow" if fp8 else "chat_template")]
 
 
 @rule

@@ -1,0 +1,131 @@
+"""The doctor's knowledge base of real failures (kb/), the facts it reads from pasted reports, and
+retrieval: known cases named with their URLs, leave-one-out accuracy held, no culprit for distractors."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from miles.cli.main import main
+from miles.debug.doctor.facts import read_facts
+from miles.debug.doctor.knowledge import cases, culprits, distractors
+
+ISSUE = """### Bug Description
+
+After resuming from a checkpoint the rollout logprobs diff is very high and pass@1 drops for a few steps.
+Training Qwen3-30B-A3B (MoE) with colocated sglang engines.
+
+### Steps to Reproduce
+
+```bash
+python train.py --hf-checkpoint /ckpt/Qwen3-30B-A3B --ref-load /ckpt/ref_torch_dist \\
+   --load /ckpt/run --colocate --sglang-mem-fraction-static 0.7 --pipeline-model-parallel-size 2 --fp8-format e4m3
+```
+
+### Logs
+
+```shell
+[2026-03-09 10:01:02] rollout/log_probs: -0.41 train/train_rollout_logprob_abs_diff: 0.83
+[2026-03-09 10:01:05] grad_norm: 12.5
+RuntimeError: CUDA error: an illegal memory access was encountered
+```
+
+### Environment
+- slime version: c259823
+- PyTorch version: 2.9.1
+- SGLang version: 0.5.2
+"""
+
+FREEZE = "accelerate==1.10.0\nflash-attn==2.8.3\nray==2.49.1\nsglang==0.5.2\ntorch==2.8.0\ntransformers==4.56.1\n"
+
+
+def doctor_json(capsys, *paths) -> dict:
+    capsys.readouterr()
+    main(["doctor", *map(str, paths), "--json"])
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_knowledge_base_is_real_shaped_and_covers_every_culprit():
+    known = cases()
+    assert len(known) >= 150
+    assert len(distractors()) >= 40
+    per = Counter(c.culprit for c in known)
+    assert set(per) == set(culprits()), f"culprits without a case: {set(culprits()) - set(per)}"
+    for c in known:
+        assert c.url.startswith("https://github.com/") and c.evidence and c.evidence_url.startswith("https://")
+        assert c.report and c.culprit_detail and c.fix
+    assert len({c.framework for c in known}) >= 8
+
+
+def test_facts_of_a_pasted_issue_and_a_pip_freeze():
+    f = read_facts(ISSUE)
+    assert f.frameworks[:2] == ["slime", "sglang"]  # the RL framework first, its engine after
+    assert f.versions == {"slime": "commit c259823", "torch": "2.9.1", "sglang": "0.5.2"}
+    assert {"load", "ref_load", "colocate", "mem_fraction", "pp_size", "resume"} <= set(f.flags)
+    assert f.moe and f.fp8 and f.models[0] == "Qwen3-30B-A3B"
+    assert "RuntimeError" in f.errors and "illegal memory access" in f.errors
+    assert f.metrics["train/train_rollout_logprob_abs_diff"] == "0.83" and f.metrics["grad_norm"] == "12.5"
+    freeze = read_facts(FREEZE + "vllm==0.10.2\npeft==0.17.0\n")
+    assert freeze.pip_freeze and freeze.versions["torch"] == "2.8.0" and freeze.versions["flash-attn"] == "2.8.3"
+    assert not read_facts(FREEZE.splitlines()[0]).pip_freeze
+
+
+def test_a_pasted_issue_gets_the_culprit_its_evidence_and_known_cases(capsys, tmp_path):
+    report = tmp_path / "issue.md"
+    report.write_text(ISSUE)
+    out = doctor_json(capsys, report)
+    first = out["findings"][0]
+    assert first["culprit_id"] == "oom_disguised"  # the rule on the CUDA line, with known cases beside it
+    assert any("illegal memory access" in e["text"] for e in first["evidence"])
+    seen = first["seen_before"]
+    assert seen and all(s["url"].startswith("https://github.com/") for s in seen)
+    ids = {c.url: c.culprit for c in cases()}
+    assert all(ids[s["url"]] == "oom_disguised" for s in seen)
+    assert out["facts"]["moe"] and out["facts"]["versions"]["torch"] == "2.9.1"
+
+
+def test_a_known_case_reworded_is_found_by_retrieval(capsys, tmp_path):
+    """A case's report, reworded by a user, with no rule's signature: the retrieval names its culprit."""
+    case = next(c for c in cases() if c.culprit == "moe_routing" and "routed" in c.report.lower())
+    words = case.report.split()
+    report = tmp_path / "report.txt"
+    report.write_text("Hi, seeing this on our cluster: " + " ".join(words[: max(12, len(words) * 2 // 3)]))
+    out = doctor_json(capsys, report)
+    named = [f["culprit_id"] for f in out["findings"]]
+    assert "moe_routing" in named[:3], named
+    kb = next(f for f in out["findings"] if f["culprit_id"] == "moe_routing")
+    assert kb["seen_before"], kb
+
+
+def test_nothing_known_says_what_was_read_and_what_is_missing(capsys, tmp_path):
+    plain = tmp_path / "note.txt"
+    plain.write_text("We started a run with verl on 8 GPUs yesterday and are wondering about the throughput.\n")
+    capsys.readouterr()
+    assert main(["doctor", str(plain)]) == 0
+    text = capsys.readouterr().out
+    assert "no known symptom found" in text
+    assert "What the doctor could read: framework: verl" in text
+    assert "Missing, to name a culprit: versions" in text and "an error line or stack trace" in text
+
+
+@pytest.fixture(scope="module")
+def evaluation():
+    import tempfile
+    from pathlib import Path
+
+    from miles.debug.doctor.evaluate import leave_one_out
+
+    base = [*cases(), *distractors()]
+    with tempfile.TemporaryDirectory() as t:
+        return leave_one_out(cases(), base, Path(t)), leave_one_out(distractors(), base, Path(t))
+
+
+def test_leave_one_out_accuracy_and_false_alarms_hold(evaluation):
+    """The README's numbers: each case matched against the base without it."""
+    outcomes, alarms = evaluation
+    top1 = sum(o.top1 for o in outcomes) / len(outcomes)
+    false = sum(bool(o.named) for o in alarms) / len(alarms)
+    assert top1 >= 0.80, f"leave-one-out top-1 {top1:.0%}"
+    assert false <= 0.05, f"false alarms on distractors {false:.0%}"
