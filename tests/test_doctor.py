@@ -262,7 +262,7 @@ def test_json_output_shape(capsys):
         f"finished: {FIX / 'clean_run' / 'train.log'}:33: Done: 3 steps; metrics in runs/clean/metrics.jsonl")}]
     f = report["findings"][0]
     assert set(f) == {"id", "symptom", "confidence", "level", "evidence", "likely_culprit", "fix", "culprit_id",
-                      "seen_before"}
+                      "seen_before", "also_possible"}
     assert f["culprit_id"] == "oom_disguised"
     assert 0 < f["confidence"] <= 1 and all(set(e) == {"where", "text"} for e in f["evidence"])
     # Secrets in quoted evidence are redacted too (the launch line carries a W&B key).

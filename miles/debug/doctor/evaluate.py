@@ -1,6 +1,6 @@
 """How often the doctor names the culprit its maintainers established, measured honestly.
 
-    python -m miles.debug.doctor.evaluate [--clean-runs 3] [--json OUT] [--misses]
+    python -m miles.debug.doctor.evaluate [--clean-runs 3] [--fixtures tests/fixtures/doctor] [--json OUT] [--misses]
 
 - Leave-one-out over the knowledge base: each case's report (what its reporter pasted, `Case.text`)
   is written to a file and read by the doctor as a user's file would be, matched against the
@@ -10,6 +10,8 @@
   reports whose cause is none of the culprits; also held out one at a time) and on clean miles runs
   (the demo model trained here, `--clean-runs` of them, with different settings; the tiny random test
   models are no clean runs: their step-1 alignment check rightly warns about their response NLL).
+- Planted faults (`--fixtures DIR`): the test suite's doctor fixtures, each with the culprit its
+  `expected.json` says must come first (null: a clean run, where no culprit may be named).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ class Outcome:
 
 
 def named_culprits(findings) -> list[str]:
-    return list(dict.fromkeys(f.kb for f in findings if f.kb and not f.fate))
+    """The culprit ids the findings name, in order; a knowledge-base finding's runners-up after it."""
+    return list(dict.fromkeys(k for f in findings if f.kb and not f.fate for k in (f.kb, *f.also)))
 
 
 def run_doctor(text: str, index, tmp: Path) -> list[str]:
@@ -79,6 +82,16 @@ def clean_runs(n: int, tmp: Path) -> list[Path]:
     return out
 
 
+def planted_faults(directory: Path) -> list[tuple[str, str | None, list[str]]]:
+    """(fixture, expected culprit, culprits named) for each fixture of DIR/expected.json."""
+    from miles.debug.doctor import diagnose
+    from miles.debug.doctor.readers import collect
+
+    expected = json.loads((directory / "expected.json").read_text())
+    return [(name, want, named_culprits(diagnose(collect([str(directory / name)]))))
+            for name, want in expected.items() if not name.startswith("_")]
+
+
 def table(title: str, groups: dict[str, list[Outcome]]) -> list[str]:
     lines = [f"{title:34}{'cases':>6}{'top-1':>8}{'top-3':>8}"]
     for name, outs in sorted(groups.items(), key=lambda kv: -len(kv[1])):
@@ -95,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clean-runs", type=int, default=3, help="clean demo-model runs to train and read (default 3; "
                                                               "about a minute each)")
+    ap.add_argument("--fixtures", metavar="DIR", type=Path, help="also score the planted faults of DIR/expected.json")
     ap.add_argument("--json", metavar="OUT", help="also write every outcome as JSON to OUT")
     ap.add_argument("--misses", action="store_true", help="list each case the doctor got wrong")
     args = ap.parse_args(argv)
@@ -126,8 +140,16 @@ def main(argv: list[str] | None = None) -> int:
     false_c = [(name, named) for name, named in clean if named]
     print(f"false alarms on distractors: {_pct(len(false_d), len(alarms))} ({len(false_d)}/{len(alarms)})")
     print(f"false alarms on clean runs: {_pct(len(false_c), len(clean))} ({len(false_c)}/{len(clean)})")
+    planted = planted_faults(args.fixtures) if args.fixtures else []
+    if planted:
+        right = [p for p in planted if (p[2][:1] == [p[1]] if p[1] else not p[2])]
+        print(f"planted faults of {args.fixtures}: {_pct(len(right), len(planted))} ({len(right)}/{len(planted)}) "
+              "named first (clean ones: nothing named)")
     if args.misses:
         names = culprits()
+        for name, want, named in planted:
+            if (named[:1] != [want]) if want else named:
+                print(f"  planted {name}: {want} -> {named[:3] or 'nothing'}")
         for o in outcomes:
             if not o.top1:
                 print(f"  miss {o.case.id}: {o.case.culprit} -> {o.named[:3] or 'nothing'}")
@@ -139,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps({
             "cases": [{"id": o.case.id, "culprit": o.case.culprit, "named": o.named} for o in outcomes],
             "distractors": [{"id": o.case.id, "named": o.named} for o in alarms],
-            "clean_runs": [{"run": name, "named": named} for name, named in clean]}, indent=1))
+            "clean_runs": [{"run": name, "named": named} for name, named in clean],
+            "planted": [{"fixture": f, "expected": w, "named": n} for f, w, n in planted]}, indent=1))
     return 0
 
 

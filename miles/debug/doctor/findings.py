@@ -44,6 +44,7 @@ class Finding:
     scope: str = ""  # the run dir a fate is about: findings merge only within one scope
     kb: str = ""  # the culprit's id in kb/culprits.json ("" for how a run ended, or an unknown error)
     seen: list[dict] = field(default_factory=list)  # known cases with this culprit: url, framework, title, ...
+    also: list[str] = field(default_factory=list)  # the next most likely culprit ids (knowledge-base findings)
 
     def __post_init__(self):
         self.kb = self.kb or RULE_CULPRITS.get(self.id, "")
@@ -56,7 +57,7 @@ class Finding:
         return {"id": self.id, "symptom": self.symptom, "confidence": round(self.confidence, 2),
                 "level": self.level, "evidence": [{"where": e.where, "text": e.text} for e in self.evidence],
                 "likely_culprit": self.culprit, "fix": self.fix, "culprit_id": self.kb or None,
-                "seen_before": self.seen}
+                "seen_before": self.seen, "also_possible": self.also}
 
 
 def merge_and_rank(findings: list[Finding]) -> list[Finding]:

@@ -1,12 +1,18 @@
-"""Matching what was pasted against the knowledge base of real failures (kb/), by BM25 (the bm25s library).
+"""Matching what was pasted against the knowledge base of real failures (kb/).
 
-Every known case (and every distractor: a real report whose cause is none of the culprits) is a
-document: its title, symptom, report and signature lines. The input is the query: its error and prose
-lines plus the facts read from it (`facts.py`). The closest cases vote for their culprit, each with its
-BM25 score; distractors vote for "none of these". The winner becomes a finding when it holds enough of
-the vote and the match is close enough (both thresholds below, set on the leave-one-out evaluation of
-benchmarks/doctor_eval.py). The finding quotes the input lines that share the most rare words with the
-winning cases, and lists those cases with their URLs ("seen before in ...").
+Two well-kept libraries, each for what it does well:
+
+- Which culprit: a linear classifier (scikit-learn's LinearSVC over TF-IDF words) trained on every
+  known case (its culprit), every distractor (class "none": a real report whose cause is none of the
+  culprits) and each culprit's profile (culprits.json `signals`, the words its reports use, given five
+  times the weight of a case). The input is the query: its error, prose and config lines plus the
+  facts read from it (`facts.py`). When the top class is "none", the knowledge base names nothing.
+- Seen before in: BM25 (bm25s) over the same documents ranks the known cases of that culprit closest
+  to the input; the finding lists them with their URLs and quotes the input lines that share the most
+  rare words with them.
+
+The leave-one-out evaluation (`python -m miles.debug.doctor.evaluate`) measures it: each case and
+distractor is held out of the training set and of the index it is matched against.
 """
 
 from __future__ import annotations
@@ -23,9 +29,10 @@ from miles.debug.doctor.findings import Evidence, Finding
 from miles.debug.doctor.knowledge import Case, culprits
 from miles.debug.doctor.readers import flatten
 
-NEIGHBOURS = 7  # cases that vote
-MIN_SHARE = 0.40  # of the neighbours' score the winning culprit must hold
-MIN_MATCH = 0.20  # the best case's score per distinct query word: below it the input is unlike every case
+NONE = "none"  # the distractors' class
+PROFILE_REPEATS = 5  # a culprit's profile counts as this many cases
+SVM_C = 0.5  # with PROFILE_REPEATS, picked on the leave-one-out evaluation itself (C 0.2-1, repeats 2-5)
+SEEN = 3  # known cases listed per finding
 MAX_QUERY_LINES = 600
 _WORD = re.compile(r"(?u)\b\w\w+\b")
 # Words every report holds (English stop words, and the words of any bug report): they say nothing of the cause.
@@ -41,38 +48,33 @@ def tokens(text: str) -> list[str]:
 
 
 @dataclass
-class Vote:
-    culprit: str | None  # None: the distractors (none of the culprits)
-    share: float
-    cases: list[tuple[Case, float]]  # the neighbours that voted for it, closest first
-
-
-@dataclass
 class Match:
-    votes: list[Vote]  # most voted first
-    match: float  # the best case's score per distinct query word
-    query_words: int
+    ranked: list[tuple[str | None, float]]  # (culprit, classifier score), best first; None: "none of these"
+    closest: dict[str, list[tuple[Case, float]]]  # culprit -> its known cases by BM25 score, closest first
 
     @property
-    def top(self) -> Vote | None:
-        return self.votes[0] if self.votes else None
+    def top(self) -> str | None:
+        return self.ranked[0][0] if self.ranked else None
 
     def ranked_culprits(self) -> list[str]:
-        return [v.culprit for v in self.votes if v.culprit]
+        return [k for k, _ in self.ranked if k]
 
     @property
-    def confident(self) -> bool:
-        t = self.top
-        return bool(t and t.culprit and t.share >= MIN_SHARE and self.match >= MIN_MATCH)
+    def margin(self) -> float:
+        """The top score's lead over the next: the classifier's confidence."""
+        return self.ranked[0][1] - self.ranked[1][1] if len(self.ranked) > 1 else 1.0
 
 
 class CaseIndex:
-    """BM25 over the cases' texts; `match(text)` ranks culprits by the votes of the closest cases."""
+    """The classifier and the BM25 index over the cases, distractors and culprit profiles."""
 
-    def __init__(self, cases: Sequence[Case]):
+    def __init__(self, cases: Sequence[Case], profiles: bool = True):
         import bm25s
+        from sklearn.feature_extraction.text import TfidfVectorizer
+        from sklearn.svm import LinearSVC
 
         self.cases = list(cases)
+        self.profiles = [(k, f"{c.name}; {c.signals}") for k, c in culprits().items()] if profiles else []
         docs = [tokens(c.text) for c in self.cases]
         self.bm25 = bm25s.BM25()
         if docs:
@@ -80,67 +82,98 @@ class CaseIndex:
         df = Counter(w for d in docs for w in set(d))
         self.idf = {w: math.log(1 + len(docs) / n) for w, n in df.items()}
         self.doc_words = [set(d) for d in docs]
+        texts = [c.text for c in self.cases] + [t for _, t in self.profiles] * PROFILE_REPEATS
+        labels = [c.culprit or NONE for c in self.cases] + [k for k, _ in self.profiles] * PROFILE_REPEATS
+        self.vectorizer = TfidfVectorizer(analyzer=tokens, sublinear_tf=True)
+        self.classifier = LinearSVC(C=SVM_C).fit(self.vectorizer.fit_transform(texts), labels) \
+            if len(set(labels)) > 1 else None
 
     def match(self, text: str) -> Match:
-        words = tokens(text)
-        known = [w for w in words if w in self.idf]
-        if not known:
-            return Match([], 0.0, 0)
-        scores = self.bm25.get_scores(known)
-        order = sorted(range(len(self.cases)), key=lambda i: -scores[i])[:NEIGHBOURS]
-        near = [(self.cases[i], float(scores[i])) for i in order if scores[i] > 0]
-        total = sum(s for _, s in near) or 1.0
-        by: dict[str | None, list[tuple[Case, float]]] = {}
-        for case, s in near:
-            by.setdefault(case.culprit, []).append((case, s))
-        votes = sorted((Vote(k, sum(s for _, s in v) / total, v) for k, v in by.items()), key=lambda v: -v.share)
-        best = near[0][1] if near else 0.0
-        return Match(votes, best / len(set(known)), len(set(known)))
+        if self.classifier is None:
+            return Match([], {})
+        scores = self.classifier.decision_function(self.vectorizer.transform([text]))[0]
+        ranked = sorted(((None if k == NONE else str(k), float(v)) for k, v in zip(self.classifier.classes_, scores)),
+                        key=lambda kv: -kv[1])
+        closest: dict[str, list[tuple[Case, float]]] = {}
+        known = [w for w in tokens(text) if w in self.idf]
+        if known:
+            bm = self.bm25.get_scores(known)
+            for i in sorted(range(len(self.cases)), key=lambda i: -bm[i]):
+                c = self.cases[i]
+                if c.culprit and bm[i] > 0 and len(closest.setdefault(c.culprit, [])) < SEEN:
+                    closest[c.culprit].append((c, float(bm[i])))
+        return Match(ranked, closest)
 
-    def evidence_lines(self, lines: list[tuple[str, str]], vote: Vote, n: int = 3) -> list[Evidence]:
-        """The input lines (where, text) sharing the most rare words with the cases that voted."""
-        words = set().union(*(self.doc_words[self.cases.index(c)] for c, _ in vote.cases))
+    def evidence_lines(self, lines: list[tuple[str, str]], culprit: str, near: list[tuple[Case, float]],
+                       n: int = 3) -> list[Evidence]:
+        """The input lines (where, text) sharing the most rare words with the culprit's closest cases and profile."""
+        words = set().union(*(self.doc_words[self.cases.index(c)] for c, _ in near))
+        words |= {w for k, text in self.profiles if k == culprit for w in tokens(text)}
         scored = []
         for where, text in lines:
             shared = set(tokens(text)) & words
-            score = sum(self.idf.get(w, 0.0) for w in shared)
+            score = sum(self.idf.get(w, 1.0) for w in shared)
             if score > 0:
                 scored.append((score, where, text))
         scored.sort(key=lambda t: -t[0])
         return [Evidence(where, text.strip()[:300]) for _, where, text in scored[:n]]
 
 
-def query_lines(corpus) -> list[tuple[str, str]]:
-    """(where, text) of the lines worth matching: error lines first, then prose and config, capped."""
-    errors, rest = [], []
+_ERRORISH = re.compile(r"(?i)error|exception|fail|\bnan\b|timeout|hang|illegal|killed|traceback")
+# A log record's head: a date and time, or a `[date time]` / `(pid=...)` prefix, as loggers write them.
+_LOG_HEAD = re.compile(r"^\s*(?:\[?\d{4}-\d\d-\d\d[ T]\d\d:\d\d|\(\w+ pid=|\[\w+ pid=|I\d{4} |W\d{4} |E\d{4} )")
+
+
+_PROSE = re.compile(r"^[\-*>#\s]*[A-Za-z][\w',]*(?:\s+[\w',()/.:-]+){3,}")  # words, as a person writes them
+
+
+_COMMAND = re.compile(r"^\s*(?:python3?|torchrun|ray|bash|sh|srun|sbatch|deepspeed|accelerate|export|pip|cd|vllm serve)\b")
+
+
+def query_lines(corpus) -> tuple[list[tuple[str, str]], bool]:
+    """(where, text) of the lines worth matching, error lines first, then prose and config, capped;
+    and whether any is an error or a person's words: a clean log alone describes no symptom, so the
+    knowledge base names nothing for it (it still lists known cases of what a rule found)."""
+    errors, prose, rest = [], [], []
     for log in corpus.logs:
         for i, line in enumerate(log.lines):
             s = line.strip()
             if len(s) < 4 or s.startswith("```"):
                 continue
-            target = errors if re.search(r"(?i)error|exception|fail|nan\b|timeout|hang|illegal|killed", s) else rest
-            target.append((log.where(i), s))
+            if _ERRORISH.search(s) and not re.search(r"\| PASS \||\b0 FAIL\b|\bno (?:error|failure)s?\b", s):
+                errors.append((log.where(i), s))
+            elif log.kind != "miles-train" and _PROSE.match(s) and not _LOG_HEAD.match(s) and not _COMMAND.match(s):
+                prose.append((log.where(i), s))
+            else:
+                rest.append((log.where(i), s))
     for path, cfg in corpus.configs:
         rest.extend((str(path), f"{k}={v}") for k, v in flatten(cfg) if v not in (False, None, "", []))  # set ones
-    return (errors + rest)[:MAX_QUERY_LINES]
+    return (errors + prose + rest)[:MAX_QUERY_LINES], bool(errors or prose)
 
 
-
-def seen_before(vote: Vote, limit: int = 3) -> list[dict]:
+def seen_before(near: list[tuple[Case, float]]) -> list[dict]:
     return [{"url": c.url, "framework": c.framework, "title": c.title, "culprit": c.culprit_detail,
-             "score": round(s, 2)} for c, s in vote.cases[:limit]]
+             "score": round(s, 2)} for c, s in near]
 
 
 def finding_from(index: CaseIndex, m: Match, lines: list[tuple[str, str]]) -> Finding:
-    """The retrieval's finding: the culprit the closest known cases share, with their fixes and URLs."""
-    vote = m.top
-    known = culprits()[vote.culprit]
-    closest = vote.cases[0][0]
-    confidence = round(min(0.7, 0.3 + 0.4 * vote.share * min(1.0, m.match / (2 * MIN_MATCH))), 2)
-    return Finding(f"kb_{vote.culprit}", f"like {len(vote.cases)} known failure report(s): {known.name}", confidence,
-                   index.evidence_lines(lines, vote), f"{known.name}; in the closest case ({closest.framework}): "
-                   f"{closest.culprit_detail}", f"{known.fix}; what fixed the closest case: {closest.fix}",
-                   kb=vote.culprit, seen=seen_before(vote))
+    """The knowledge base's finding: the culprit the classifier ranks first, its closest known cases."""
+    culprit_id = m.top
+    known, near = culprits()[culprit_id], m.closest.get(culprit_id, [])
+    confidence = round(min(0.7, 0.4 + 0.3 * min(1.0, m.margin)), 2)  # below the rules' signatures
+    symptom = f"like {len(near)} known failure report(s): {known.name}" if near else \
+        f"the words of a known culprit: {known.name}"
+    culprit, fix = known.name, known.fix
+    if near:
+        closest = near[0][0]
+        culprit += f"; in the closest case ({closest.framework}): {closest.culprit_detail}"
+        fix += f"; what fixed the closest case: {closest.fix}"
+    none = next((v for k, v in m.ranked if k is None), float("-inf"))
+    also = [k for k, v in m.ranked[1:3] if k and v > none]  # runners-up the classifier puts above "none of these"
+    if also:
+        culprit += "; also possible: " + ", ".join(culprits()[k].name.split(" (")[0] for k in also)
+    return Finding(f"kb_{culprit_id}", symptom, confidence, index.evidence_lines(lines, culprit_id, near), culprit,
+                   fix, kb=culprit_id, seen=seen_before(near), also=also)
 
 
 _INDEX: CaseIndex | None = None
@@ -158,18 +191,19 @@ def default_index() -> CaseIndex:
 
 def consult(corpus, findings: list[Finding], index: CaseIndex | None = None) -> tuple[list[Finding], Match, object]:
     """The rules' findings with the knowledge base's word on them: known cases of the culprit a rule named
-    ("seen before in"), and a finding of its own when the closest cases agree on a culprit no rule named.
+    ("seen before in"), and a finding of its own when the classifier names a culprit and no rule's
+    signature (confidence >= 0.75) has named one already.
     Returns (findings ranked, the match, the facts read)."""
     from miles.debug.doctor.facts import read_facts
 
     index = index or default_index()
-    lines = query_lines(corpus)
+    lines, symptomatic = query_lines(corpus)
     facts = read_facts("\n".join(t for _, t in lines))
     m = index.match("\n".join(t for _, t in lines) + "\n" + " ".join(facts.terms()))
-    votes = {v.culprit: v for v in m.votes if v.culprit}
     for f in findings:
-        if f.kb in votes and not f.seen:
-            f.seen = seen_before(votes[f.kb])
-    if m.confident and m.top.culprit not in {f.kb for f in findings}:
+        if f.kb in m.closest and not f.seen:
+            f.seen = seen_before(m.closest[f.kb])
+    sure = any(f.confidence >= 0.75 for f in findings)  # a rule's signature named it: no second opinion
+    if symptomatic and not sure and m.top is not None and m.top not in {f.kb for f in findings}:
         findings = sorted([*findings, finding_from(index, m, lines)], key=lambda f: (not f.fate, -f.confidence))
     return findings, m, facts
