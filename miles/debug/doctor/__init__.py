@@ -4,11 +4,15 @@
     miles doctor train.log /tmp/sglang ~/.ray/session_latest/logs   # any logs: miles, Miles, slime, verl, TRL
     miles doctor RUN --json                            # for machines
     miles doctor RUN --bundle bug.md                   # everything a bug report needs, secrets redacted
+    miles doctor issue.md pip-freeze.txt               # a user's report as pasted from GitHub, a pip freeze
 
 Layout: `readers` turns the paths into a Corpus (log lines, metric series, configs, rollout dumps),
 opening only regular files (`files`); `run_state` says how each miles run ended (finished, crashed,
 stopped, killed, still running); `rules`, `crashes` and `signals` hold the knowledge, one rule per
-symptom of the debugging guide; `findings` merges and ranks; `bundle` writes the bug-report file.
+symptom of the debugging guide; `findings` merges and ranks; `facts` reads framework, versions, flags,
+MoE/FP8, errors and metrics from any text; `retrieval` matches the input against the knowledge base of
+real failures (`knowledge`, kb/) for a culprit no rule named and the known cases seen before;
+`bundle` writes the bug-report file.
 Nothing here imports torch, except reading rollout dumps and the bundle's version probe.
 """
 

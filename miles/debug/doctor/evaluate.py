@@ -65,16 +65,15 @@ def leave_one_out(rows: tuple[Case, ...], base: list[Case], tmp: Path) -> list[O
 
 def clean_runs(n: int, tmp: Path) -> list[Path]:
     """N finished demo-model `miles train` runs (SmolLM2-135M-Instruct, the embedded default recipe cut to
-    2 short steps), each with other settings; all healthy. About a minute each on 2 CPU cores."""
+    2 steps), each with other settings; all healthy. About a minute each on 2 CPU cores."""
     variants = [[], ["--deterministic-mode"], ["--advantage-estimator", "reinforce_plus_plus"],
-                ["--n-samples-per-prompt", "2", "--rollout-batch-size", "8"], ["--lr", "1e-5", "--kl-coef", "0.01"],
+                ["--n-samples-per-prompt", "8", "--rollout-batch-size", "4"], ["--lr", "1e-5", "--kl-coef", "0.01"],
                 ["--rollout-temperature", "0.7"]]
     out = []
     for k in range(n):
         run = tmp / f"clean-{k}"
-        cmd = [sys.executable, "-m", "miles", "train", "--num-rollout", "2", "--rollout-batch-size", "4",
-               "--n-samples-per-prompt", "4", "--rollout-max-response-len", "48", "--seed", str(k),
-               "--output-dir", str(run), *variants[k % len(variants)]]
+        cmd = [sys.executable, "-m", "miles", "train", "--num-rollout", "2", "--seed", str(k), "--output-dir", str(run),
+               *variants[k % len(variants)]]
         done = subprocess.run(cmd, check=False, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"clean run {k} ({' '.join(cmd[3:])}) failed: {done.stderr.strip().splitlines()[-1:]}")
