@@ -72,7 +72,7 @@ def test_raw_engine_log_probs_at_a_temperature_are_named(model):
 
 def test_a_lower_precision_trainer_is_named(model):
     probe = recorded(model, probe_tokens())  # the engine in fp32
-    bf16 = lambda: mixed_precision("bf16", "cpu")  # noqa: E731
+    bf16 = lambda: mixed_precision("bf16", "cpu")
     result = attribute(probe, *sides(model, model, bf16), temperature=1.0, precision="bf16")
     assert result.baseline > 1e-4
     assert result.culprit is not None and result.culprit.name == "precision", result.lines()
@@ -138,3 +138,26 @@ def test_a_run_whose_engine_loaded_other_weights_is_attributed_and_the_doctor_na
     report = json.loads(capsys.readouterr().out)
     first = report["findings"][0]
     assert first["id"] == "mismatch_attribution" and first["culprit_id"] == "weight_sync_stale"
+
+
+def test_with_a_server_the_decode_path_is_its_prompt_log_probs(model):
+    """A server holds its weights: the weights and KV-cache factors are not measurable, the decode path is
+    the server's prompt log-probs (a full forward) against its decode's (here: a decode-loop bug)."""
+    probe = recorded(model, probe_tokens(n=2))
+    noisy = [[lp - 0.4 for lp in row] for row in probe.engine]
+
+    class Server:  # RemoteEngine's seam: per-server prompt log-probs at temperature 1, for tokens[1:]
+        def prompt_log_probs(self, tokens):
+            full = score(model, Probe([tokens], [len(tokens) - 1], [[0.0] * (len(tokens) - 1)]), temperature=1.0,
+                         autocast=FP32, pad_token_id=1)
+            return {"http://server:30000": full[0]}
+
+    result = attribute(Probe(probe.sequences, probe.response_lengths, noisy), sides(model, None)[0], Server(),
+                       temperature=1.0, precision="fp32")
+    lines = "\n".join(result.lines())
+    assert "weights | the trainer's weights -> the engine's weights | not measured: the engine's weights are in a " \
+           "server" in lines
+    assert result.culprit.name == "decode path" and result.culprit.gap < 1e-4
+    hot = attribute(Probe(probe.sequences, probe.response_lengths, noisy), sides(model, None)[0], Server(),
+                    temperature=0.7, precision="fp32")
+    assert "not measured: a server scores prompts at temperature 1 only" in "\n".join(hot.lines())

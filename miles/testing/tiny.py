@@ -36,7 +36,12 @@ def build_model_dir(path: Path, arch: str = "llama", seed: int = 0, *, hidden_si
     """A random model of `arch` with the character tokenizer; larger sizes for GPU runs that need
     a model but cannot fetch one."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     from miles.utils.models import quiet_transformers
 
@@ -71,3 +76,43 @@ def train_args(model_dir: Path, prompts: Path, output_dir: Path, rm_path: str = 
             "--custom-rm-path", rm_path, "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
             "--rollout-max-response-len", "12", "--rollout-temperature", "1.0", "--micro-batch-size", "4",
             "--num-rollout", "2", "--lr", "1e-3", "--output-dir", str(output_dir)]
+
+
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
+
+
+def build_moe_model(family: str = "qwen3_moe", seed: int = 0, *, hidden_size: int = 32, layers: int = 2,
+                    experts: int = 8, top_k: int = 2):
+    """A random HF MoE causal LM of FAMILY (MOE_FAMILIES) over the character tokenizer's vocabulary, in memory."""
+    import torch
+    from transformers import (
+        MixtralConfig,
+        MixtralForCausalLM,
+        OlmoeConfig,
+        OlmoeForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
+
+    tok = build_tokenizer()
+    common = dict(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
+                  tie_word_embeddings=False, num_experts_per_tok=top_k)
+    per_family = {
+        "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, dict(num_experts=experts, moe_intermediate_size=hidden_size,
+                                                               shared_expert_intermediate_size=hidden_size)),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(num_experts=experts, moe_intermediate_size=hidden_size)),
+        "mixtral": (MixtralConfig, MixtralForCausalLM, dict(num_local_experts=experts)),
+        "olmoe": (OlmoeConfig, OlmoeForCausalLM, dict(num_experts=experts)),
+    }
+    config_cls, model_cls, extra = per_family[family]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**common, **extra))
+    with torch.no_grad():  # the routers start at zero in some families: random routers make real choices
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight"):
+                p.normal_(0, 1.0)
+    return model.eval()
