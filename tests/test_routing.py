@@ -93,3 +93,22 @@ def test_bad_routes_are_rejected_with_the_layer_and_what_is_wrong():
     with pytest.raises(RoutingError, match="routes for 2 tokens, this forward has 14"), torch.no_grad(), \
             replay_routes(model, good):
         model(tokens())
+
+
+def test_rows_of_minus_one_keep_the_routers_own_choice():
+    model = build_moe_model("qwen2_moe")
+    ids = tokens()
+    with torch.no_grad(), record_routes(model) as calls:
+        plain = model(ids).logits
+    other = [torch.stack([(r[:, 0] + 3) % 8, (r[:, 0] + 5) % 8], dim=1).to(torch.int32) for r in calls[0]]
+    own_last = [o.clone() for o in other]
+    for o in own_last:
+        o[-1] = -1  # the batch's last token: its own route
+    with torch.no_grad(), replay_routes(model, own_last), record_routes(model) as seen:
+        model(ids)
+    for s, o, r in zip(seen[0], other, calls[0]):
+        assert torch.equal(s[:-1].sort(1).values, o[:-1].sort(1).values)
+        assert torch.equal(s[-1].sort().values, r[-1].sort().values)
+    with pytest.raises(RoutingError, match="expert id -1 out of range"):
+        validate_routes([torch.tensor([[0, -1]]), torch.tensor([[0, 1]])], 2, 8, 2)
+    assert plain.shape[0] == 2

@@ -12,9 +12,11 @@ others). Both directions are forward hooks on those modules, active only inside 
   the given ids, renormalised as the family does), so the router still gets gradients, as in Miles'
   and verl's routing replay: only the choice is fixed, not the weights.
 
-Routes are validated before a replay (`validate_routes`): one entry per layer, each (tokens, k) with
-ids in [0, num_experts) and no expert twice in a token's k: a wrong count or id is a clear error,
-not a silent re-route.
+A token whose route is -1 (all k entries) keeps the router's own choice: padding, and the last token
+of a sequence, which the engine never fed back (its output trains nothing). Routes are validated
+before a replay (`validate_routes`): one entry per layer, each (tokens, k) with ids in [0, num_experts)
+or a whole row of -1, and no expert twice in a token's k: a wrong count or id is a clear error, not
+a silent re-route.
 
 Work in progress (issue 15): the engine's capture, `Sample.rollout_routed_experts`, the trainer's
 `--use-rollout-routing-replay` and `train/routing_mismatch_frac` build on this module; see the note.
@@ -99,12 +101,15 @@ def validate_routes(routes: list[torch.Tensor], layers: int, experts: int, k: in
         if r.dim() != 2 or r.shape[1] != k or (tokens is not None and r.shape[0] != tokens):
             want = f"({tokens if tokens is not None else 'tokens'}, {k})"
             raise RoutingError(f"layer {i}: routes of shape {tuple(r.shape)}, expected {want}")
-        if r.numel() and (int(r.min()) < 0 or int(r.max()) >= experts):
-            raise RoutingError(f"layer {i}: expert id {int(r.min()) if int(r.min()) < 0 else int(r.max())} out of "
-                               f"range [0, {experts})")
+        own = (r == -1).all(dim=1)  # rows left to the router
+        chosen = r[~own]
+        if chosen.numel() and (int(chosen.min()) < 0 or int(chosen.max()) >= experts):
+            bad = int(chosen.min()) if int(chosen.min()) < 0 else int(chosen.max())
+            raise RoutingError(f"layer {i}: expert id {bad} out of range [0, {experts}) (-1 for a whole row: the "
+                               "router's own choice)")
         if k > 1 and r.numel():
             s = r.sort(dim=1).values
-            dup = (s[:, 1:] == s[:, :-1]).any(dim=1)
+            dup = (s[:, 1:] == s[:, :-1]).any(dim=1) & ~own
             if bool(dup.any()):
                 raise RoutingError(f"layer {i}: token {int(dup.nonzero()[0])} has the same expert twice in its "
                                    f"top-{k} {r[int(dup.nonzero()[0])].tolist()}")
@@ -125,6 +130,7 @@ def replay_routes(model, routes: list[torch.Tensor]) -> Iterator[None]:
             ids = routes[i].to(device=logits.device, dtype=torch.int64)
             if ids.shape[0] != logits.shape[0]:
                 raise RoutingError(f"layer {i}: routes for {ids.shape[0]} tokens, this forward has {logits.shape[0]}")
+            ids = torch.where((ids == -1).all(dim=1, keepdim=True), output[2].to(torch.int64), ids)
             probs = F.softmax(logits.float(), dim=-1)
             weights = probs.gather(-1, ids)
             if renormalise:
