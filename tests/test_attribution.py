@@ -161,3 +161,18 @@ def test_with_a_server_the_decode_path_is_its_prompt_log_probs(model):
     hot = attribute(Probe(probe.sequences, probe.response_lengths, noisy), sides(model, None)[0], Server(),
                     temperature=0.7, precision="fp32")
     assert "not measured: a server scores prompts at temperature 1 only" in "\n".join(hot.lines())
+
+
+def test_an_attribution_that_fails_never_stops_the_run(model):
+    from miles.bridge.types import Sample
+    from miles.debug.attribution import measure_mismatch
+
+    class Broken:  # a server that cannot score
+        def prompt_log_probs(self, tokens):
+            raise RuntimeError("POST /generate (scoring) gave no input_token_logprobs")
+
+    probe = recorded(model, probe_tokens(n=1))
+    sample = Sample(group_index=0, index=0, prompt="", tokens=probe.sequences[0], response_length=10,
+                    loss_mask=[1] * 10, rollout_log_probs=[lp - 1.0 for lp in probe.engine[0]])
+    said = measure_mismatch([sample], sides(model, None)[0], Broken(), temperature=1.0, precision="fp32", bound=1e-3)
+    assert said.startswith("it failed: RuntimeError: POST /generate (scoring)")

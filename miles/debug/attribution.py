@@ -226,6 +226,9 @@ def measure_mismatch(samples: list[Sample], trainer, engine, *, temperature: flo
         if baseline <= bound:
             return f"the probe's gap {baseline:.3g} is within {precision} rounding ({bound:g})"
         return attribute(probe, trainer, engine, temperature=temperature, precision=precision)
+    except Exception as e:  # a diagnosis must never stop the run it diagnoses (a server that cannot score, ...)
+        logger.debug("mismatch attribution failed", exc_info=True)
+        return f"it failed: {type(e).__name__}: {str(e)[:200]}"
     finally:
         trainer.model.train(was_training)
 
