@@ -3,6 +3,7 @@ given ids (gradients still reach it), bad routes rejected; for every HF MoE fami
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -112,3 +113,36 @@ def test_rows_of_minus_one_keep_the_routers_own_choice():
     with pytest.raises(RoutingError, match="expert id -1 out of range"):
         validate_routes([torch.tensor([[0, -1]]), torch.tensor([[0, 1]])], 2, 8, 2)
     assert plain.shape[0] == 2
+
+
+def test_the_local_engine_records_the_routes_of_every_token_it_fed(tmp_path):
+    """An MoE model decodes through the HF path; each output carries (prompt + response - 1, layers, k)
+    routes equal to those of one full forward over the same tokens (fp32), and they survive a dump."""
+    from miles.bridge.rollout_dump import read_dump, samples_from_dump, save_rollout
+    from miles.bridge.types import Sample
+    from miles.config import SamplingParams
+    from miles.rollout.local import LocalEngine
+
+    model = build_moe_model("mixtral")
+    engine = LocalEngine(model, eos_token_ids=[], pad_token_id=1)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.0, top_p=1.0), seeds=[1, 2])
+    samples = []
+    for i, (p, out) in enumerate(zip(prompts, outs)):
+        routes = out.routed_experts
+        assert routes.shape == (len(p) + len(out.token_ids) - 1, 2, 2) and routes.dtype.name == "int16"
+        fed = torch.tensor([(p + out.token_ids)[:-1]])
+        with torch.no_grad(), record_routes(model) as calls:
+            model(fed)
+        full = torch.stack(calls[0], dim=1)  # (tokens, layers, k)
+        assert mismatch_frac([torch.from_numpy(routes[:, j].astype("int64")) for j in range(2)],
+                             [full[:, j].long() for j in range(2)]) == 0.0
+        samples.append(Sample(group_index=0, index=i, prompt="", tokens=p + out.token_ids,
+                              response_length=len(out.token_ids), loss_mask=[1] * len(out.token_ids),
+                              rollout_log_probs=out.log_probs, rollout_routed_experts=routes))
+    path = save_rollout(str(tmp_path / "{rollout_id}.pt"), 0, samples, {})
+    raw = torch.load(path, weights_only=True)
+    assert raw["samples"][0]["rollout_routed_experts"].dtype == torch.int16
+    back = samples_from_dump(read_dump(path), path, 2)
+    assert all(np.array_equal(a.rollout_routed_experts, b.rollout_routed_experts) for a, b in zip(samples, back))
+    assert back[0].rollout_routed_experts.dtype == np.int16

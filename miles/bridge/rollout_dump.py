@@ -56,6 +56,9 @@ _SHORT.maxstring = _SHORT.maxother = 60
 # ---------------------------------------------------------------- writing
 
 
+ROUTES = "rollout_routed_experts"  # slime's field: MoE expert ids per token, layer and k
+
+
 def save_rollout(template: str, rollout_id: int, samples: list[Sample], metadata: dict[str, Any]) -> Path:
     path = dump_path(template, rollout_id)
     payload = {"format": FORMAT, "rollout_id": rollout_id, "samples": [_sample_dict(s) for s in samples],
@@ -69,6 +72,8 @@ def _sample_dict(s: Sample) -> dict[str, Any]:
     d = s.to_dict()
     for key in ("prompt", "label", "metadata"):  # where a data row's own values end up
         d[key] = plain(d[key])
+    if s.rollout_routed_experts is not None:  # MoE routes: an int16 tensor, compact and weights_only-loadable
+        d["rollout_routed_experts"] = torch.from_numpy(s.rollout_routed_experts.astype("int16"))
     return d
 
 
@@ -185,7 +190,8 @@ def _to_sample(d: Any, i: int, path: Path, n_samples_per_prompt: int) -> Sample:
     """A miles sample dict, or a Miles/slime `Sample.to_dict()`, as a miles `Sample`."""
     if not isinstance(d, dict):
         raise UsageError(f"{path}: sample {i} is {_describe(d)}, not a dict")
-    f = _Fields({k: _from_tensor(v) for k, v in d.items()}, path, i)
+    f = _Fields({k: v.numpy() if k == ROUTES and isinstance(v, torch.Tensor) else _from_tensor(v)
+                 for k, v in d.items()}, path, i)
     tokens = f.int_list("tokens")
     response_length = f.integer("response_length")
     if min(tokens, default=0) < 0:
@@ -208,6 +214,7 @@ def _to_sample(d: Any, i: int, path: Path, n_samples_per_prompt: int) -> Sample:
         status=f.text("status", default=Status.COMPLETED),
         weight_version=_weight_version(d),
         metadata=f.mapping("metadata"),
+        rollout_routed_experts=f.routes(ROUTES, len(tokens)),
     )
 
 
@@ -268,6 +275,26 @@ class _Fields:
         if not isinstance(value, (list, tuple)):
             raise self.error(key, f"is {_describe(value)}, not a list of {kind}")
         return list(value)
+
+    def routes(self, key: str, n_tokens: int):
+        """An MoE sample's routes, (tokens - 1, layers, k) expert ids, as a compact numpy array; None when unset.
+        slime stores them as a numpy array or nested lists; a tensor is read too."""
+        import numpy as np
+
+        value = self.d.get(key)
+        if value is None:
+            return None
+        try:
+            routes = np.asarray(value)
+        except (ValueError, TypeError):
+            raise self.error(key, "is not an array of expert ids") from None
+        if routes.ndim != 3 or routes.shape[0] not in (n_tokens - 1, n_tokens) or not np.issubdtype(routes.dtype,
+                                                                                                     np.integer):
+            raise self.error(key, f"has shape {routes.shape} of {routes.dtype}; expected integer expert ids of shape "
+                                  f"(tokens - 1 = {n_tokens - 1}, layers, k)")
+        if routes.size and (routes.min() < -1 or routes.max() > np.iinfo(np.int16).max):
+            raise self.error(key, f"holds expert id {routes.min() if routes.min() < -1 else routes.max()}")
+        return routes.astype(np.int16)
 
     def prompt(self) -> str | list[dict]:
         value = self._get("prompt", "")

@@ -18,8 +18,10 @@ before a replay (`validate_routes`): one entry per layer, each (tokens, k) with 
 or a whole row of -1, and no expert twice in a token's k: a wrong count or id is a clear error, not
 a silent re-route.
 
-Work in progress (issue 15): the engine's capture, `Sample.rollout_routed_experts`, the trainer's
-`--use-rollout-routing-replay` and `train/routing_mismatch_frac` build on this module; see the note.
+Uses: miles' local engine records the routes of every token it feeds an MoE model (decode.py) into
+`Sample.rollout_routed_experts` (kept in dumps as an int16 tensor; slime's dumps load too). Still to
+build on this module (issue 15): the trainer's `--use-rollout-routing-replay`, the servers' routes,
+`train/routing_mismatch_frac` and the step-1 routing check.
 """
 
 from __future__ import annotations

@@ -38,6 +38,9 @@ class Sample:
     status: str = Status.COMPLETED
     weight_version: int | None = None  # optimizer steps behind the weights that generated it (None: unknown)
     metadata: dict[str, Any] = field(default_factory=dict)  # free-form: data row extras, seeds, ...
+    # MoE (slime's name): the experts the engine's routers chose for each token it was fed (the prompt, then
+    # each response token but the last), a numpy int array (len(tokens) - 1, layers, k); None for a dense model.
+    rollout_routed_experts: Any = None
 
     @property
     def prompt_length(self) -> int:

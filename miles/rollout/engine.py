@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from miles.bridge.weight_sync import TensorChecksum
 from miles.config import SamplingParams
@@ -34,6 +34,7 @@ class GenerationOutput:
     finish_reason: str  # "stop" (sampled an EOS token) or "length" (hit its token budget)
     weight_version: int | None = None  # the engine's weight version when it generated this
     redrawn: int | None = None  # --true-on-policy-mode: tokens re-drawn from the trainer's computation
+    routed_experts: Any = None  # MoE: numpy (prompt + response - 1 tokens, layers, k) expert ids; None for dense
 
 
 class Engine(Protocol):

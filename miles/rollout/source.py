@@ -73,6 +73,7 @@ class LiveRollout:
                 status=_FINISH_STATUS[out.finish_reason],
                 weight_version=out.weight_version,
                 metadata=dict(record.metadata),
+                rollout_routed_experts=out.routed_experts,
             )
             sample.reward = float(self.reward_fn(sample))
             samples.append(sample)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache, StaticCache
 
+from miles.bridge import routing
 from miles.config import SamplingParams
 from miles.rollout.engine import GenerationOutput
 from miles.rollout.sampling import sample_tokens
@@ -65,12 +66,30 @@ class Decoder:
         self.device = next(model.parameters()).device
         self.eos = torch.tensor(eos_token_ids, device=self.device)
         self.forward = CachedForward(model)
+        self.moe = bool(routing.routers(model))  # an MoE model: every output carries its routes
 
     @torch.no_grad()
     def decode(self, prompts: list[list[int]], sampling: SamplingParams, uniforms: torch.Tensor,
                progress: Callable[[int], None] | None = None, limits: list[int] | None = None,
                weight_version: int | None = None) -> list[GenerationOutput]:
-        """uniforms (B, T) drive the sampling; row i makes at most limits[i] new tokens (default T)."""
+        """uniforms (B, T) drive the sampling; row i makes at most limits[i] new tokens (default T).
+        An MoE model's outputs carry `routed_experts`: the experts each layer chose for every token the
+        model was fed (the prompt, then each response token but the last), (tokens, layers, k) int16."""
+        if not self.moe:
+            return self._decode(prompts, sampling, uniforms, progress, limits, weight_version)
+        with routing.record_routes(self.model) as calls:
+            outputs = self._decode(prompts, sampling, uniforms, progress, limits, weight_version)
+        width = max(len(p) for p in prompts)
+        prefill = [layer.view(len(prompts), width, -1) for layer in calls[0]]  # per layer (B, P, k)
+        for i, (p, out) in enumerate(zip(prompts, outputs)):
+            fed = [torch.stack([layer[i, width - len(p):] for layer in prefill], dim=1)]  # (len(p), layers, k)
+            fed += [torch.stack([layer[i] for layer in calls[t + 1]], dim=0)[None] for t in range(len(out.token_ids) - 1)]
+            out.routed_experts = torch.cat(fed).to(torch.int16).numpy()
+        return outputs
+
+    def _decode(self, prompts: list[list[int]], sampling: SamplingParams, uniforms: torch.Tensor,
+                progress: Callable[[int], None] | None, limits: list[int] | None,
+                weight_version: int | None) -> list[GenerationOutput]:
         batch, steps = len(prompts), uniforms.shape[1]
         width = max(len(p) for p in prompts)
         total = width + steps
