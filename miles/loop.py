@@ -132,8 +132,8 @@ def train_steps(c: Components, cfg: Configs, signals: StopSignals, metrics_out: 
             c.in_step = True
             metrics = {**rollout_metrics(rollout_id, rollout.samples), **rollout.stats}
             capture_rollout(cfg, rollout_id, rollout, metrics, dump_meta)
-            first_check = step == c.start_step + 1 and debug.alignment_check != "off" and c.trainer is not None
-            gap = attribute_gap(c, cfg, rollout.samples) if first_check else None
+            checking = step == c.start_step + 1 and debug.alignment_check != "off"  # the step-1 alignment check
+            gap = attribute_gap(c, cfg, rollout.samples) if checking and c.trainer is not None else None
             result = train_and_sync(c, cfg, rollout.samples, step, metrics) if c.trainer is not None else None
             nonfinite_steps = nonfinite_steps + 1 if result and result.nonfinite else 0
             if isinstance(c.turns, Colocated):
@@ -147,7 +147,7 @@ def train_steps(c: Components, cfg: Configs, signals: StopSignals, metrics_out: 
             if isinstance(c.source, AheadRollouts):
                 c.source.done_with(rollout_id)
             guard_nonfinite(c, result, step, nonfinite_steps, run.max_nonfinite_steps)
-            if step == c.start_step + 1 and debug.alignment_check != "off":
+            if checking:
                 log_rollout_samples(rollout_id, rollout.samples, limit=2)  # the guide's first look: coherent?
                 checks = run_checks(rollout.samples, metrics, result.diagnostics if result else None,
                                     c.check_context, resumed_after=c.start_step)

@@ -73,7 +73,7 @@ def _sample_dict(s: Sample) -> dict[str, Any]:
     for key in ("prompt", "label", "metadata"):  # where a data row's own values end up
         d[key] = plain(d[key])
     if s.rollout_routed_experts is not None:  # MoE routes: an int16 tensor, compact and weights_only-loadable
-        d["rollout_routed_experts"] = torch.from_numpy(s.rollout_routed_experts.astype("int16"))
+        d[ROUTES] = torch.from_numpy(s.rollout_routed_experts.astype("int16"))
     return d
 
 

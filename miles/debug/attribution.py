@@ -152,12 +152,15 @@ def cached_decode(model, probe: Probe, *, temperature: float, autocast) -> list[
     return out
 
 
-def attribute(probe: Probe, trainer, engine, *, temperature: float, precision: str) -> Attribution:
-    """Every factor this run allows, each changed alone against the run's own setting."""
+def attribute(probe: Probe, trainer, engine, *, temperature: float, precision: str,
+              as_trained: list[list[float]] | None = None) -> Attribution:
+    """Every factor this run allows, each changed alone against the run's own setting; `as_trained`: the
+    trainer's scores of the probe as run, when the caller has them already."""
     from miles.train.trainer import mixed_precision
 
     model, pad = trainer.model, trainer.pad_token_id
-    as_trained = score(model, probe, temperature=temperature, autocast=trainer.autocast, pad_token_id=pad)
+    if as_trained is None:
+        as_trained = score(model, probe, temperature=temperature, autocast=trainer.autocast, pad_token_id=pad)
     result = Attribution(gap(as_trained, probe.engine), sum(probe.response_lengths))
     engine_model = getattr(engine, "model", None)
     engine_autocast = getattr(engine, "autocast", trainer.autocast)
@@ -225,7 +228,7 @@ def measure_mismatch(samples: list[Sample], trainer, engine, *, temperature: flo
             return "the log-probs are not finite (see the NaN checks above)"
         if baseline <= bound:
             return f"the probe's gap {baseline:.3g} is within {precision} rounding ({bound:g})"
-        return attribute(probe, trainer, engine, temperature=temperature, precision=precision)
+        return attribute(probe, trainer, engine, temperature=temperature, precision=precision, as_trained=as_trained)
     except Exception as e:  # a diagnosis must never stop the run it diagnoses (a server that cannot score, ...)
         logger.debug("mismatch attribution failed", exc_info=True)
         return f"it failed: {type(e).__name__}: {str(e)[:200]}"

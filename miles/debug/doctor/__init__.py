@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from miles.errors import UsageError
 
     corpus = collect(args.paths)
-    findings, _, facts = diagnose_full(corpus)
+    findings, facts = diagnose_full(corpus)
     for f in findings:  # evidence (and culprits naming an error line) quote logs; logs hold tokens
         f.symptom, f.culprit, f.fix = redact(f.symptom), redact(f.culprit), redact(f.fix)  # fix: resume commands
         for e in f.evidence:
@@ -85,14 +85,14 @@ def diagnose(corpus, index=None) -> list:
 
 
 def diagnose_full(corpus, index=None) -> tuple:
-    """(findings, the knowledge-base match, the facts read from the input)."""
+    """(findings, the facts read from the input)."""
     from miles.debug.doctor import crashes, run_state, signals  # noqa: F401  (importing registers their rules)
     from miles.debug.doctor.findings import merge_and_rank
     from miles.debug.doctor.retrieval import consult
     from miles.debug.doctor.rules import RULES
 
-    findings, match, facts = consult(corpus, merge_and_rank([f for rule in RULES for f in rule(corpus)]), index)
-    return findings or crashes.unrecognised_error(corpus), match, facts
+    findings, facts = consult(corpus, merge_and_rank([f for rule in RULES for f in rule(corpus)]), index)
+    return findings or crashes.unrecognised_error(corpus), facts
 
 
 def render(corpus, findings: list, sigs: list, runs: list = (), facts=None) -> str:

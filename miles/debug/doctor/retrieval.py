@@ -81,7 +81,7 @@ class CaseIndex:
             self.bm25.index(docs, show_progress=False)
         df = Counter(w for d in docs for w in set(d))
         self.idf = {w: math.log(1 + len(docs) / n) for w, n in df.items()}
-        self.doc_words = [set(d) for d in docs]
+        self.doc_words = {c.id: set(d) for c, d in zip(self.cases, docs)}
         texts = [c.text for c in self.cases] + [t for _, t in self.profiles] * PROFILE_REPEATS
         labels = [c.culprit or NONE for c in self.cases] + [k for k, _ in self.profiles] * PROFILE_REPEATS
         self.vectorizer = TfidfVectorizer(analyzer=tokens, sublinear_tf=True)
@@ -107,7 +107,7 @@ class CaseIndex:
     def evidence_lines(self, lines: list[tuple[str, str]], culprit: str, near: list[tuple[Case, float]],
                        n: int = 3) -> list[Evidence]:
         """The input lines (where, text) sharing the most rare words with the culprit's closest cases and profile."""
-        words = set().union(*(self.doc_words[self.cases.index(c)] for c, _ in near))
+        words = set().union(*(self.doc_words[c.id] for c, _ in near))
         words |= {w for k, text in self.profiles if k == culprit for w in tokens(text)}
         scored = []
         for where, text in lines:
@@ -189,21 +189,21 @@ def default_index() -> CaseIndex:
     return _INDEX
 
 
-def consult(corpus, findings: list[Finding], index: CaseIndex | None = None) -> tuple[list[Finding], Match, object]:
+def consult(corpus, findings: list[Finding], index: CaseIndex | None = None) -> tuple[list[Finding], object]:
     """The rules' findings with the knowledge base's word on them: known cases of the culprit a rule named
     ("seen before in"), and a finding of its own when the classifier names a culprit and no rule's
-    signature (confidence >= 0.75) has named one already.
-    Returns (findings ranked, the match, the facts read)."""
+    signature (confidence >= 0.75) has named one already. Returns (findings ranked, the facts read)."""
     from miles.debug.doctor.facts import read_facts
 
     index = index or default_index()
     lines, symptomatic = query_lines(corpus)
-    facts = read_facts("\n".join(t for _, t in lines))
-    m = index.match("\n".join(t for _, t in lines) + "\n" + " ".join(facts.terms()))
+    text = "\n".join(t for _, t in lines)
+    facts = read_facts(text)
+    m = index.match(text + "\n" + " ".join(facts.terms()))
     for f in findings:
         if f.kb in m.closest and not f.seen:
             f.seen = seen_before(m.closest[f.kb])
     sure = any(f.confidence >= 0.75 for f in findings)  # a rule's signature named it: no second opinion
     if symptomatic and not sure and m.top is not None and m.top not in {f.kb for f in findings}:
         findings = sorted([*findings, finding_from(index, m, lines)], key=lambda f: (not f.fate, -f.confidence))
-    return findings, m, facts
+    return findings, facts
