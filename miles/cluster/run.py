@@ -53,7 +53,8 @@ class ClusterRun:
         self.log_dir = Path(cfg.run.output_dir) / "workers"
         self.ray = closers.enter_context(ray_session(num_cpus=self.placement.cpus_needed(),
                                                      use_gpus=self.placement.use_gpus))
-        self.supervisor = Supervisor(self.ray)
+        # A rank still in a call this long after its peers returned is stuck, as a collective would say.
+        self.supervisor = Supervisor(self.ray, stall=process_group_timeout(cfg))
         p = self.placement
         self.trainer_pg = reserve(self.ray, trainer_bundles(p), what="trainer", timeout=PLACE_TIMEOUT_S,
                                   flags=f"--actor-num-nodes {p.nodes} --actor-num-gpus-per-node {p.gpus_per_node}")
@@ -94,7 +95,8 @@ class ClusterRun:
         if not p.use_gpus:  # CPU servers: a core each (colocated, the rank's), not every core of the host
             options = {**options, "cpu_threads": max(1, int(resources["num_cpus"] or 1))}
         options = {**options, "tensor_parallel": p.gpus_per_engine}  # a vLLM server over its bundle's GPUs
-        urls = self.supervisor.call(self.engines, "start", backend, model_dir, options)
+        # Servers start in their own time (one may load from a slower disk): no stall bound.
+        urls = self.supervisor.call(self.engines, "start", backend, model_dir, options, uneven=True)
         logger.info("Engines: %d %s server(s) on Ray (%s), %s", len(urls), backend,
                     "colocated with the trainer ranks" if p.colocate else "on their own bundles", ", ".join(urls))
         return urls

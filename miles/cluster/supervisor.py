@@ -5,6 +5,11 @@
 running then are stuck (typically in a collective with the failed one, or the reason it failed):
 their Python stacks are logged. The error names the first failure: which worker, its node, and
 the first ERROR line of its own log (or Ray's account of how its process died).
+
+A worker can also stall where no collective would time out for it (a stopped process, in a call
+its peers have returned from): with `stall` set, a worker still running `stall` seconds after the
+first of its peers returned is stuck too, and the call raises `WorkerCrashed` naming it. Calls
+whose work is uneven by design (rank 0 alone writes a checkpoint) pass `uneven=True`.
 """
 
 from __future__ import annotations
@@ -30,31 +35,44 @@ class Worker:
 
 
 class Supervisor:
-    def __init__(self, ray, *, grace: float = 10.0):
-        self.ray, self.grace = ray, grace
+    def __init__(self, ray, *, grace: float = 10.0, stall: float | None = None):
+        """`stall`: seconds a worker may run on after a peer returned from the same call (None: no bound)."""
+        self.ray, self.grace, self.stall = ray, grace, stall
 
-    def call(self, workers: list[Worker], method: str, *args, **kwargs) -> list:
+    def call(self, workers: list[Worker], method: str, *args, uneven: bool = False, **kwargs) -> list:
+        """`uneven`: some workers do more of this call than others (no `stall` bound on it)."""
         refs = [w.actor.call.remote(method, *args, **kwargs) for w in workers]
-        return self.wait(workers, refs, what=method)
+        return self.wait(workers, refs, what=method, uneven=uneven)
 
-    def wait(self, workers: list[Worker], refs: list, *, what: str) -> list:
+    def wait(self, workers: list[Worker], refs: list, *, what: str, uneven: bool = False) -> list:
         ray = self.ray
         pending = dict(zip(refs, workers))
         results: dict = {}
-        failed_at = None
+        failed_at = returned_at = None
         first_failure: tuple[Worker, BaseException] | None = None
+        stall = None if uneven else self.stall
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
             for ref in ready:
                 worker = pending.pop(ref)
                 try:
                     results[ref] = ray.get(ref)
+                    returned_at = returned_at or time.monotonic()
                 except Exception as e:  # RayActorError (it died) or RayTaskError (the call raised)
                     first_failure = first_failure or (worker, e)
                     failed_at = failed_at or time.monotonic()
-            if failed_at is not None and pending and time.monotonic() - failed_at > self.grace:
-                self._log_stuck(list(pending.values()), what)
+            now = time.monotonic()
+            if failed_at is not None and pending and now - failed_at > self.grace:
+                self._log_stuck(list(pending.values()), what, f"{self.grace:.0f} s after another worker failed")
                 break
+            if failed_at is None and stall is not None and returned_at is not None and pending \
+                    and now - returned_at > stall:
+                stuck = list(pending.values())
+                self._log_stuck(stuck, what, f"{stall:.0f} s after its peers returned")
+                names = ", ".join(w.name for w in stuck)
+                raise WorkerCrashed(f"WorkerCrashed: {names} did not finish {what} within {stall:.0f} s of its peers "
+                                    f"(--distributed-timeout-minutes); still running (stuck; stacks in the log): "
+                                    f"{names}")
         if first_failure is not None:
             error = crashed(first_failure[0], first_failure[1], what)
             if pending:
@@ -73,15 +91,14 @@ class Supervisor:
         for w in workers:
             self.ray.kill(w.actor, no_restart=True)
 
-    def _log_stuck(self, stuck: list[Worker], what: str) -> None:
+    def _log_stuck(self, stuck: list[Worker], what: str, when: str) -> None:
         for worker in stuck:
             try:
                 stack = self.ray.get(worker.actor.stacks.remote(), timeout=10)
             except Exception as e:
                 stack = (f"(no stack: no answer in 10 s ({type(e).__name__}): its process is stopped, or stuck "
                          f"outside Python)")
-            logger.error("%s had not finished %s %.0f s after another worker failed; its stacks:\n%s", worker.name,
-                         what, self.grace, stack.rstrip())
+            logger.error("%s had not finished %s %s; its stacks:\n%s", worker.name, what, when, stack.rstrip())
 
 
 def crashed(worker: Worker, error: BaseException, what: str) -> WorkerCrashed:

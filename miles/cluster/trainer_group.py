@@ -58,8 +58,9 @@ class TrainerGroup:
                     len(self.workers), kind, len(nodes), ", ".join(nodes), *master,
                     Path(self.rank0.node["log"]).parent)
 
-    def _all(self, method: str, *args, **kwargs) -> list:
-        return self.supervisor.call(self.workers, method, *args, **kwargs)
+    def _all(self, method: str, *args, uneven: bool = False, **kwargs) -> list:
+        """`uneven`: rank 0 does work alone after the ranks meet (writing files, handing out tensors)."""
+        return self.supervisor.call(self.workers, method, *args, uneven=uneven, **kwargs)
 
     # -- the Trainer interface -------------------------------------------------------------------
 
@@ -70,13 +71,13 @@ class TrainerGroup:
         return transport.send(self, step)
 
     def named_weights(self):
-        return self._all("named_weights")[0]
+        return self._all("named_weights", uneven=True)[0]
 
     def write_hf(self, directory: Path, *, untie: bool = False) -> tuple[int, int]:
-        return self._all("write_hf", str(directory), untie)[0]
+        return self._all("write_hf", str(directory), untie, uneven=True)[0]
 
     def weight_digests(self, dtypes):
-        return self._all("weight_digests", dtypes)[0]
+        return self._all("weight_digests", dtypes, uneven=True)[0]
 
     def prompt_log_probs(self, tokens):
         return self._all("prompt_log_probs", tokens)[0]
@@ -85,7 +86,7 @@ class TrainerGroup:
         """What a Checkpointer calls: every rank gathers, rank 0 writes (the tokenizer is its own copy)."""
         def save(root, step, extra_state):
             rank_rng = self._all("rng_state")
-            path = Path(self._all("save", str(root), step, {**extra_state, "rank_rng": rank_rng})[0])
+            path = Path(self._all("save", str(root), step, {**extra_state, "rank_rng": rank_rng}, uneven=True)[0])
             logger.info("Saved checkpoint to %s (gathered from %d ranks)", path, len(self.workers))
             return path
         return save
