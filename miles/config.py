@@ -85,6 +85,8 @@ class TrainConfig:
     """Response tokens per lm_head + logsumexp chunk (-1: all of a micro-batch's at once)."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them."""
+    use_rollout_routing_replay: bool = False
+    """MoE (R3): the policy's forwards route each token to the experts the engine chose for it."""
 
     @property
     def needs_ref(self) -> bool:
@@ -234,7 +236,7 @@ def build_configs(args: argparse.Namespace) -> Configs:
             kl_coef=a.kl_coef, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
             use_tis=a.use_tis, tis_clip=a.tis_clip, calculate_per_token_loss=a.calculate_per_token_loss,
             qkv_format=a.qkv_format, log_probs_chunk_size=a.log_probs_chunk_size,
-            gradient_checkpointing=a.gradient_checkpointing),
+            gradient_checkpointing=a.gradient_checkpointing, use_rollout_routing_replay=a.use_rollout_routing_replay),
         run=RunConfig(output_dir=a.output_dir, num_rollout=a.num_rollout, seed=a.seed, save=a.save,
                       save_interval=a.save_interval, keep_checkpoints=a.keep_checkpoints, load=a.load,
                       allow_branch=a.allow_branch, max_nonfinite_steps=a.max_nonfinite_steps,

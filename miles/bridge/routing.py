@@ -19,9 +19,10 @@ or a whole row of -1, and no expert twice in a token's k: a wrong count or id is
 a silent re-route.
 
 Uses: miles' local engine records the routes of every token it feeds an MoE model (decode.py) into
-`Sample.rollout_routed_experts` (kept in dumps as an int16 tensor; slime's dumps load too). Still to
-build on this module (issue 15): the trainer's `--use-rollout-routing-replay`, the servers' routes,
-`train/routing_mismatch_frac` and the step-1 routing check.
+`Sample.rollout_routed_experts` (kept in dumps as an int16 tensor; slime's dumps load too). The
+trainer (miles/train/trainer.py) compares its own routes with them on every scoring pass
+(`train/routing_mismatch_frac`) and, with `--use-rollout-routing-replay`, replays them in scoring
+and training.
 """
 
 from __future__ import annotations
@@ -77,13 +78,14 @@ def shape(model) -> tuple[int, int, int]:
 
 @contextlib.contextmanager
 def record_routes(model) -> Iterator[list[list[torch.Tensor]]]:
-    """Yields a list that gets, for every forward inside the context, one (tokens, k) int32 tensor per layer."""
+    """Yields a list that gets, for every forward inside the context, one (tokens, k) int32 tensor per
+    layer, on the model's device."""
     found = routers(model)
     calls: list[list[torch.Tensor]] = []
     pending: list[torch.Tensor] = []
 
     def hook(_module, _args, output):
-        pending.append(output[2].detach().to(torch.int32).cpu())
+        pending.append(output[2].detach().to(torch.int32))  # on the model's device: no sync per layer
         if len(pending) == len(found):  # the last layer's router: one forward done
             calls.append(list(pending))
             pending.clear()
@@ -148,14 +150,47 @@ def replay_routes(model, routes: list[torch.Tensor]) -> Iterator[None]:
             h.remove()
 
 
-def mismatch_frac(recorded: list[torch.Tensor], own: list[torch.Tensor], mask: torch.Tensor | None = None) -> float:
-    """The share of token-layer routes whose set of k experts differs between two routings (order within a
-    token's k does not count); `mask` (tokens,) bool keeps only some tokens (e.g. not padding)."""
+def mismatch_counts(recorded: list[torch.Tensor], own: list[torch.Tensor]) -> tuple[int, int]:
+    """(token-layer routes whose set of k experts differs, routes compared) between a recorded routing
+    and a model's own; rows of -1 in `recorded` (no route recorded) are not compared, and the order
+    within a token's k does not count."""
     differ = total = 0
     for a, b in zip(recorded, own):
-        same = (a.sort(dim=1).values == b.sort(dim=1).values).all(dim=1)
-        if mask is not None:
-            same = same[mask]
+        a, b = a.to(torch.int64), b.to(device=a.device, dtype=torch.int64)
+        kept = ~(a == -1).all(dim=1)
+        same = (a[kept].sort(dim=1).values == b[kept].sort(dim=1).values).all(dim=1)
         differ += int((~same).sum())
         total += same.numel()
+    return differ, total
+
+
+def mismatch_frac(recorded: list[torch.Tensor], own: list[torch.Tensor], mask: torch.Tensor | None = None) -> float:
+    """The share of token-layer routes whose set of k experts differs between two routings; `mask`
+    (tokens,) bool keeps only some tokens (e.g. not padding)."""
+    if mask is not None:
+        recorded, own = [r[mask] for r in recorded], [o[mask] for o in own]
+    differ, total = mismatch_counts(recorded, own)
     return differ / total if total else 0.0
+
+
+def check_sample_routes(samples, layers: int, experts: int, k: int, *, required: bool) -> None:
+    """Every sample's `rollout_routed_experts` fits the model: (len(tokens) - 1 or len(tokens), layers, k)
+    ids in range (or whole rows of -1), no expert twice in a token's k. `required` (routing replay on):
+    a sample without routes is an error too. Raises RoutingError naming the sample."""
+    for n, s in enumerate(samples):
+        where = f"sample {n} (group {s.group_index}, index {s.index})"
+        r = s.rollout_routed_experts
+        if r is None:
+            if required:
+                raise RoutingError(f"{where} has no rollout_routed_experts: the engine returned no MoE routes to "
+                                   "replay")
+            continue
+        r = torch.as_tensor(r)
+        if r.dim() != 3 or r.shape[0] not in (len(s.tokens) - 1, len(s.tokens)) or tuple(r.shape[1:]) != (layers, k):
+            raise RoutingError(f"{where}: rollout_routed_experts of shape {tuple(r.shape)}, expected "
+                               f"({len(s.tokens) - 1}, {layers}, {k}) for its {len(s.tokens)} tokens and this "
+                               f"model's {layers} MoE layers of top-{k}")
+        try:
+            validate_routes([r[:, i] for i in range(layers)], layers, experts, k)
+        except RoutingError as e:
+            raise RoutingError(f"{where}: {e}") from None

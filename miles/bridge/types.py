@@ -86,6 +86,11 @@ class StepDiagnostics:
     rollout_log_probs: torch.Tensor | None  # None when the samples carry no engine log-probs
     mask: torch.Tensor
     recompute_max_diff: float  # max |log-prob in the first training forward - old_log_probs|
+    # MoE: the share of token-layer routes where the policy's own top-k differs from the engine's
+    # (None: a dense model, or no routes); whether they were replayed; an MoE rollout that came without routes.
+    routing_mismatch: float | None = None
+    routing_replay: bool = False
+    moe_without_routes: bool = False
 
 
 @dataclass

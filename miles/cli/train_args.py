@@ -141,6 +141,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute each decoder layer's activations in backward (less memory, about a third more "
                         "compute)")
+    g.add_argument("--use-rollout-routing-replay", action="store_true",
+                   help="MoE (R3): the policy's scoring and training forwards route every token to the experts the "
+                        "engine chose for it (Sample.rollout_routed_experts), the router's weights recomputed for "
+                        "those experts so it still learns; the reference model routes on its own")
     g.add_argument("--max-nonfinite-steps", type=int, default=3, metavar="N",
                    help="steps in a row skipped for a NaN/Inf reward, loss or gradient before the run stops with "
                         "exit 3 (default: 3)")

@@ -216,6 +216,38 @@ def check_reward_signal(s: RewardStats) -> Check:
     return Check("reward signal", PASS, value)
 
 
+# -- g. MoE routing ------------------------------------------------------------------------------
+
+ROUTING_FAIL = 0.5  # more than half the routes differ: the engine's routers are not the trainer's
+
+
+def check_routing(mismatch: float | None, replay: bool, moe_without_routes: bool = False) -> Check:
+    """An MoE policy routes each token to k experts; when the trainer's router picks other experts
+    than the engine's did, the trainer scores and trains a policy that did not generate the data
+    (the guide: MoE training collapses after ~50 steps without routing replay)."""
+    if moe_without_routes:
+        return Check("MoE routing", WARN, "an MoE model, but the rollout carries no routes to compare",
+                     "the engine did not return its expert choices, so routing cannot be replayed or checked",
+                     "miles' local engine and `miles serve` return them; start SGLang or vLLM with "
+                     "--enable-return-routed-experts; then --use-rollout-routing-replay")
+    value = (f"routing_mismatch_frac {mismatch:.3g} (token-layer routes where the trainer's own top-k differs "
+             f"from the engine's), replay {'on' if replay else 'off'}")
+    if bad := _nonfinite("MoE routing", value, mismatch):
+        return bad
+    if mismatch > ROUTING_FAIL:
+        return Check("MoE routing", FAIL, value,
+                     "the engine's routers are not the trainer's: a weight-sync / parameter-mapping bug in the "
+                     "router weights", "--check-weight-update-equal; `miles check-weights`")
+    if mismatch == 0:
+        return Check("MoE routing", PASS, value + ": every route agrees")
+    if replay:
+        return Check("MoE routing", PASS, value + ": the trainer follows the engine's experts")
+    return Check("MoE routing", WARN, value,
+                 "MoE routing not preserved: the trainer routes these tokens to other experts than the engine "
+                 "chose, so it optimises a policy that did not generate the data (MoE collapse after ~50 steps)",
+                 "--use-rollout-routing-replay (R3: replay the engine's expert choices in training)")
+
+
 # -- gathering the numbers and reporting ---------------------------------------------------------
 
 def repetition_rate(tokens: list[int], n: int = 4) -> float:
@@ -299,5 +331,7 @@ def run_checks(samples: list[Sample], metrics: dict[str, float], diag, ctx: Chec
             checks.append(Check("trainer vs engine", SKIP, "the samples carry no engine log-probs"))
         checks.append(check_response_nll(nll, ctx.has_template, ctx.applied_template))
         checks.append(check_grad_norm(metrics.get("train/grad_norm", float("nan"))))
+        if diag.routing_mismatch is not None or diag.moe_without_routes:
+            checks.append(check_routing(diag.routing_mismatch, diag.routing_replay, diag.moe_without_routes))
     checks.append(check_reward_signal(reward_stats(samples, ctx.rm_type, ctx.label_key)))
     return checks

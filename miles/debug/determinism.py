@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.utils.deterministic
 
@@ -91,12 +92,17 @@ def rollout_hashes(samples: list[Sample]) -> dict[str, str]:
         values = list(values)
         return struct.pack(f"<{len(values)}{fmt}", *values)
 
-    return {
+    hashes = {
         "prompts": bytes_digest16(*(pack("q", s.tokens[: s.prompt_length]) for s in samples)),
         "rollout_tokens": bytes_digest16(*(pack("q", s.response_tokens) for s in samples)),
         "rollout_log_probs": bytes_digest16(*(pack("d", s.rollout_log_probs) for s in samples)),
         "rewards": bytes_digest16(pack("d", (s.reward for s in samples))),
     }
+    if any(s.rollout_routed_experts is not None for s in samples):  # MoE: each sample's routes as int16, in order
+        hashes["rollout_routes"] = bytes_digest16(*(
+            np.ascontiguousarray(s.rollout_routed_experts, dtype="<i2").tobytes()
+            if s.rollout_routed_experts is not None else b"" for s in samples))
+    return hashes
 
 
 class HashWriter:

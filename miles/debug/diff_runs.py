@@ -14,13 +14,15 @@ from pathlib import Path
 
 from miles.errors import UsageError
 
-COMPONENTS = ("prompts", "rollout_tokens", "rollout_log_probs", "rewards", "trainer_log_probs", "loss",
-              "gradients", "parameters")  # the order of miles.debug.determinism.COMPONENTS (no torch here)
+COMPONENTS = ("prompts", "rollout_tokens", "rollout_log_probs", "rollout_routes", "rewards", "trainer_log_probs",
+              "loss", "gradients", "parameters")  # data-flow order; rollout_routes only in MoE runs with routes
 
 WHAT_IT_MEANS = {
     "prompts": "the runs drew different prompts (data, --rollout-shuffle, --seed, or a resumed data position)",
     "rollout_tokens": "the engine sampled different tokens: sampling seed, engine weights or engine numerics",
     "rollout_log_probs": "same tokens, different engine log-probs: engine numerics (kernels, precision, batch shape)",
+    "rollout_routes": "same tokens, different MoE expert choices in the engine: engine numerics or its router "
+                      "weights (replayed with --use-rollout-routing-replay, they change what the trainer computes)",
     "rewards": "same responses, different rewards: the reward function or the labels",
     "trainer_log_probs": "same rollout, different trainer log-probs: trainer weights or forward numerics",
     "loss": "same log-probs, different loss: loss flags (--eps-clip, --kl-*, --advantage-estimator) or their code",

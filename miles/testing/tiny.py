@@ -82,8 +82,9 @@ MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
 
 
 def build_moe_model(family: str = "qwen3_moe", seed: int = 0, *, hidden_size: int = 32, layers: int = 2,
-                    experts: int = 8, top_k: int = 2):
-    """A random HF MoE causal LM of FAMILY (MOE_FAMILIES) over the character tokenizer's vocabulary, in memory."""
+                    experts: int = 8, top_k: int = 2, router_std: float = 1.0):
+    """A random HF MoE causal LM of FAMILY (MOE_FAMILIES) over the character tokenizer's vocabulary, in memory.
+    `router_std`: the routers' init; a small one makes near-ties between experts of real weight."""
     import torch
     from transformers import (
         MixtralConfig,
@@ -114,5 +115,21 @@ def build_moe_model(family: str = "qwen3_moe", seed: int = 0, *, hidden_size: in
     with torch.no_grad():  # the routers start at zero in some families: random routers make real choices
         for name, p in model.named_parameters():
             if name.endswith("gate.weight"):
-                p.normal_(0, 1.0)
+                p.normal_(0, router_std)
     return model.eval()
+
+
+def build_moe_model_dir(path: Path, family: str = "qwen3_moe", seed: int = 0, *, router_std: float = 0.02,
+                        **shape) -> Path:
+    """`build_moe_model` saved with the character tokenizer, its output layer sharpened as in
+    `build_model_dir`: an MoE checkpoint `miles train --hf-checkpoint` runs. Its routers start
+    small, so bf16 rounding flips choices between experts that both carry weight (as in a trained
+    MoE), not only between negligible ones."""
+    import torch
+
+    model = build_moe_model(family, seed, router_std=router_std, **shape)  # shape: hidden_size, layers, experts, top_k
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path

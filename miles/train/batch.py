@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +28,9 @@ class TrainBatch:
     rewards: torch.Tensor  # (B,)
     response_lengths: torch.Tensor  # (B,) response tokens of each row (the rest of its R slots is padding)
     has_rollout_log_probs: bool = True  # False for dumps made without engine log-probs
+    # MoE: (B, L, layers, k) the engine's expert ids for each token it fed, -1 where it recorded none
+    # (padding, a sequence's last token, a sample without routes); None when no sample has routes.
+    routes: torch.Tensor | None = None
 
     @classmethod
     def from_samples(cls, samples: list[Sample], pad_token_id: int, device) -> TrainBatch:
@@ -49,7 +55,8 @@ class TrainBatch:
         lengths = torch.tensor([s.response_length for s in samples], dtype=torch.long)
         tensors = (input_ids, attention_mask, positions, mask, rollout_log_probs, rewards, lengths)
         has_log_probs = all(len(s.rollout_log_probs) == s.response_length for s in samples)
-        return cls(*(t.to(device) for t in tensors), has_rollout_log_probs=has_log_probs)
+        return cls(*(t.to(device) for t in tensors), has_rollout_log_probs=has_log_probs,
+                   routes=_routes(samples, width, device))
 
     def rows(self, start: int, end: int) -> TrainBatch:
         """Samples [start, end), trimmed to the longest sequence among them."""
@@ -57,7 +64,29 @@ class TrainBatch:
         return TrainBatch(self.input_ids[start:end, :width], self.attention_mask[start:end, :width],
                           self.response_positions[start:end].clamp(max=width - 2), self.mask[start:end],
                           self.rollout_log_probs[start:end], self.rewards[start:end],
-                          self.response_lengths[start:end], self.has_rollout_log_probs)
+                          self.response_lengths[start:end], self.has_rollout_log_probs,
+                          self.routes[start:end, :width] if self.routes is not None else None)
+
+    def flat_routes(self, *, packed: bool) -> list[torch.Tensor]:
+        """Per MoE layer, the (tokens, k) expert ids in the order a forward of this batch flattens its
+        tokens for the routers: the real tokens row after row (packed) or the whole padded grid."""
+        r = self.routes[self.attention_mask.bool()] if packed else self.routes.reshape(-1, *self.routes.shape[2:])
+        return [r[:, i] for i in range(r.shape[1])]
+
+
+def _routes(samples: list[Sample], width: int, device) -> torch.Tensor | None:
+    """The samples' `rollout_routed_experts` on the padded token grid (checked beforehand by
+    miles.bridge.routing.check_sample_routes)."""
+    given = [s.rollout_routed_experts for s in samples if s.rollout_routed_experts is not None]
+    if not given:
+        return None
+    layers, k = np.asarray(given[0]).shape[1:]
+    routes = torch.full((len(samples), width, layers, k), -1, dtype=torch.int64)
+    for i, s in enumerate(samples):
+        if s.rollout_routed_experts is not None:
+            r = torch.as_tensor(np.asarray(s.rollout_routed_experts, dtype=np.int64))
+            routes[i, :len(r)] = r[:len(s.tokens)]
+    return routes.to(device)
 
 
 def response_log_probs(model, batch: TrainBatch, temperature: float, *, packed: bool = True,
@@ -123,8 +152,10 @@ def _packed_forward(model, batch: TrainBatch):
 
 @torch.no_grad()
 def score_rollout(model, batch: TrainBatch, micro_batch_size: int, temperature: float, autocast,
-                  with_logits: bool = False, *, packed: bool = True, chunk_size: int = LOG_PROBS_CHUNK_SIZE):
-    """The trainer's scoring pass: response log-probs (B, R), micro-batch by micro-batch.
+                  with_logits: bool = False, *, packed: bool = True, chunk_size: int = LOG_PROBS_CHUNK_SIZE,
+                  around: Callable[[TrainBatch], contextlib.AbstractContextManager] | None = None):
+    """The trainer's scoring pass: response log-probs (B, R), micro-batch by micro-batch; each
+    micro-batch's forward runs inside `around(micro_batch)` when given (MoE routes: the trainer's).
 
     `--true-on-policy-mode` runs this very function in the engine too (`score_sequences`), on the
     same batch layout, so that both sides compute the same numbers with the same kernels, shapes
@@ -132,9 +163,10 @@ def score_rollout(model, batch: TrainBatch, micro_batch_size: int, temperature: 
     """
     log_probs, logits = [], []
     for start in range(0, batch.rewards.numel(), micro_batch_size):
-        with autocast():
-            lp, rows = response_log_probs(model, batch.rows(start, start + micro_batch_size), temperature,
-                                          packed=packed, chunk_size=chunk_size, with_logits=with_logits)
+        mb = batch.rows(start, start + micro_batch_size)
+        with autocast(), (around(mb) if around is not None else contextlib.nullcontext()):
+            lp, rows = response_log_probs(model, mb, temperature, packed=packed, chunk_size=chunk_size,
+                                          with_logits=with_logits)
         log_probs.append(lp)
         logits.append(rows)
     return torch.cat(log_probs), (torch.cat(logits) if with_logits else None)

@@ -30,11 +30,13 @@ from pathlib import Path
 
 import torch
 
+from miles.bridge import routing
 from miles.bridge.transports import WeightTransport
 from miles.bridge.transports.disk import write_hf_weights
 from miles.bridge.types import Sample, StepDiagnostics, TrainResult
 from miles.bridge.weight_sync import SentTensor, SyncStats
 from miles.config import TrainConfig
+from miles.errors import UsageError
 from miles.train.advantages import ADVANTAGE_ESTIMATORS
 from miles.train.batch import TrainBatch, response_log_probs, score_rollout
 from miles.train.checkpoint import save_checkpoint
@@ -77,6 +79,14 @@ class Trainer:
         self.sharded = parallelize is not None
         shard = parallelize or (lambda m: m)
         check_output_head(model)
+        # MoE: (layers, experts, k) of the routers whose choices are compared with the engine's (and
+        # replayed with --use-rollout-routing-replay); None for a dense model.
+        self.moe = routing.shape(model) if routing.routers(model) else None
+        self._routed_model = model  # the HF model whose routers are hooked (sharding keeps its modules)
+        if cfg.use_rollout_routing_replay and self.moe is None:
+            raise UsageError(f"--use-rollout-routing-replay: the model ({model.config.model_type}) has no MoE routers "
+                             f"miles can replay (families: {', '.join(routing.FAMILIES)}); drop the flag for a dense "
+                             "model")
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(model)
         self.matmul_params = matmul_parameters(model)
@@ -104,24 +114,69 @@ class Trainer:
                              **self.cfg.scoring_layout)[0][0].tolist()
 
 
-    def _score(self, model, batch: TrainBatch) -> torch.Tensor:
-        """Log-probs of every row: this rank scores its share, the others' are gathered."""
+    def _score(self, model, batch: TrainBatch, counts: list[int] | None = None) -> torch.Tensor:
+        """Log-probs of every row: this rank scores its share, the others' are gathered. `counts`
+        (the policy's scoring of an MoE rollout with routes): gets this rank's routing mismatch."""
         lo, hi = self.ranks.rows(0, batch.rewards.numel())
+        around = (lambda mb: self._routed(mb, counts)) if counts is not None else None
         mine = score_rollout(model, batch.rows(lo, hi), self.cfg.micro_batch_size, self.temperature, self.autocast,
-                             **self.cfg.scoring_layout)[0]
+                             around=around, **self.cfg.scoring_layout)[0]
         return self.ranks.gather_rows(mine)
+
+    @contextlib.contextmanager
+    def _routed(self, mb: TrainBatch, counts: list[int] | None = None):
+        """A policy forward of micro-batch `mb`: with --use-rollout-routing-replay its routers take the
+        engine's experts (bridge/routing.py: the weights of those experts recomputed from the router's
+        own logits, so the router still gets gradients); `counts` += [differing, compared] token-layer
+        routes between the router's own choice and the engine's."""
+        if mb.routes is None:
+            yield
+            return
+        flat = mb.flat_routes(packed=self.cfg.qkv_format == "thd")
+        model = self._routed_model
+        replay = routing.replay_routes(model, flat) if self.cfg.use_rollout_routing_replay else None
+        # Recording first: its hooks run before the replay's, so they see the router's own choice.
+        recording = routing.record_routes(model) if counts is not None else contextlib.nullcontext([])
+        with recording as own, (replay or contextlib.nullcontext()):
+            yield
+        if counts is not None and own:
+            differ, total = routing.mismatch_counts(flat, own[0])
+            counts[0] += differ
+            counts[1] += total
+
+    def _check_routes(self, samples: list[Sample]) -> None:
+        if self.moe is None:
+            return
+        try:
+            routing.check_sample_routes(samples, *self.moe, required=self.cfg.use_rollout_routing_replay)
+        except routing.RoutingError as e:
+            fix = ("the engine must return them: miles' local engine and `miles serve` do; start SGLang with "
+                   "--enable-return-routed-experts, vLLM with --enable-return-routed-experts"
+                   if "has no rollout_routed_experts" in str(e) else "the dump or engine gave routes of another model")
+            raise UsageError(f"--use-rollout-routing-replay: {e} ({fix})" if self.cfg.use_rollout_routing_replay
+                             else f"MoE routes: {e} ({fix})") from None
 
     def train(self, samples: list[Sample]) -> TrainResult:
         """Scores the rollout, then takes `num_steps_per_rollout` optimizer steps on it."""
+        self._check_routes(samples)
         batch = TrainBatch.from_samples(samples, self.pad_token_id, self.device)
         meter = StepMeter(self.device)
-        old_log_probs = self._score(self.model, batch)
+        counts = [0, 0] if self.moe is not None and batch.routes is not None else None
+        old_log_probs = self._score(self.model, batch, counts)
+        # The reference model routes on its own: R3 fixes the policy's routes to the data's, not the reference's.
         ref_log_probs = self._score(self.ref_model, batch) if self.ref_model is not None else None
         kl = KL_ESTIMATORS[self.cfg.kl_loss_type](old_log_probs, ref_log_probs) if ref_log_probs is not None else None
         metrics = score_metrics(batch, old_log_probs, ref_log_probs, kl)
+        routing_mismatch = None
+        if counts is not None:
+            total = self.ranks.sum({"differ": float(counts[0]), "total": float(counts[1])})
+            routing_mismatch = total["differ"] / total["total"] if total["total"] else 0.0
+            metrics["train/routing_mismatch_frac"] = routing_mismatch
         diagnostics = StepDiagnostics(old_log_probs, ref_log_probs,
                                       batch.rollout_log_probs if batch.has_rollout_log_probs else None,
-                                      batch.mask, 0.0)
+                                      batch.mask, 0.0, routing_mismatch=routing_mismatch,
+                                      routing_replay=self.cfg.use_rollout_routing_replay,
+                                      moe_without_routes=self.moe is not None and batch.routes is None)
         if nonfinite := nonfinite_inputs(batch, old_log_probs, ref_log_probs):
             metrics["train/skipped_nonfinite"] = 1.0
             return TrainResult(metrics, diagnostics, nonfinite=nonfinite)
@@ -216,6 +271,13 @@ class Trainer:
             return aggregate(per_token, mb.mask, samples_in_batch=cfg.global_batch_size,
                              tokens_in_batch=tokens_in_batch)
 
+        replayed = self._routed(mb) if self.cfg.use_rollout_routing_replay else contextlib.nullcontext()
+        # The whole micro-step inside the replay: a checkpointed layer re-runs its router in backward.
+        with replayed:
+            return self._forward_backward(mb, advantages, old_log_probs, ref_log_probs, agg)
+
+    def _forward_backward(self, mb: TrainBatch, advantages, old_log_probs, ref_log_probs, agg) -> dict[str, float]:
+        cfg = self.cfg
         with self.autocast():
             log_probs, entropy = response_log_probs(self.model, mb, self.temperature, with_entropy=True,
                                                     **self.cfg.scoring_layout)

@@ -22,7 +22,7 @@ RULE_CULPRITS = {
     "no_checkpoint_loaded": "params_not_loaded", "instruct_logp": "chat_template", "moe_collapse": "moe_routing",
     "reward_constant": "reward_bug", "train_engine_mismatch": "logprob_semantics",
     "kl_step1": "nondeterministic_kernels", "garbled_rollout": "chat_template", "nan_grad": "chat_template",
-    "no_weight_sync": "weight_sync_stale",
+    "no_weight_sync": "weight_sync_stale", "moe_routing_mismatch": "moe_routing",
 }
 
 

@@ -50,6 +50,7 @@ ALIASES = {
     "engine_logp": ("rollout/rollout_log_probs",),
     "entropy": ("train/entropy", "actor/entropy", "entropy"),
     "logp_diff": ("forward_logp_max_diff",),
+    "routing_mismatch": ("train/routing_mismatch_frac",),  # MoE: trainer's own top-k vs the engine's
 }
 CANONICAL = {alias: name for name, aliases in ALIASES.items() for alias in aliases}
 _NUM = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+|nan|NaN|inf|Inf|Infinity)"

@@ -82,7 +82,7 @@ _ALIGN = re.compile(r"Alignment check \| (?P<name>[^|]+?)\s*\| (?P<verdict>WARN|
                     r"(?: \| likely culprit: (?P<culprit>.*?) \| fix: (?P<fix>.*))?$")
 _ALIGN_IDS = {"rollout coherence": "garbled_rollout", "log_probs vs ref": "kl_step1",
               "trainer vs engine": "train_engine_mismatch", "response NLL": "instruct_logp",
-              "reward signal": "reward_constant", "grad_norm": "grad_norm_high"}
+              "reward signal": "reward_constant", "grad_norm": "grad_norm_high", "MoE routing": "moe_routing_mismatch"}
 
 
 @rule
@@ -99,6 +99,8 @@ def alignment_checks(c: Corpus) -> list[Finding]:
             fid = "nan_grad"
         elif name == "grad_norm" and value == "0":  # no gradient because no reward signal
             fid = "reward_constant"
+        elif name == "MoE routing" and verdict == "FAIL":  # most routes differ: the routers' weights differ
+            fid = "weight_sync_mismatch"
         out.append(Finding(fid, f"Alignment check {verdict}: {name} ({value})", 0.85 if verdict == "FAIL" else 0.6,
                            [line_ev(log, i)], m["culprit"] or "see the line", m["fix"] or "see the line"))
     return out
@@ -349,6 +351,22 @@ def moe_collapse(c: Corpus) -> list[Finding]:
                                "and trainer growing over steps",
                                "lower --lr; --use-tis; watch train/train_rollout_logprob_abs_diff over steps"))
     return out
+
+
+@rule
+def routing_mismatch(c: Corpus) -> list[Finding]:
+    """miles' `train/routing_mismatch_frac` above 0 with routing replay off: the trainer's MoE routers
+    pick other experts than the engine's did for some tokens."""
+    points = [p for src in c.metrics for p in src.series.get("routing_mismatch", []) if math.isfinite(p.value)]
+    worst = max(points, key=lambda p: p.value, default=None)
+    if worst is None or worst.value <= 0 or c.hints(r"use[_-]rollout[_-]routing[_-]replay['\"]?\s*[:=]\s*true|"
+                                                     r"--use-rollout-routing-replay"):
+        return []
+    return [Finding("moe_routing_mismatch", f"MoE routes differ between engine and trainer (routing_mismatch_frac up "
+                    f"to {worst.value:.3g})", 0.7, [point_ev(worst)],
+                    "MoE routing not preserved: the trainer routes some tokens to other experts than the engine "
+                    "chose, so it optimises a policy that did not generate the data (MoE collapse after ~50 steps)",
+                    "--use-rollout-routing-replay (R3: replay the engine's expert choices in training)")]
 
 
 @rule

@@ -84,7 +84,7 @@ class Decoder:
         for i, (p, out) in enumerate(zip(prompts, outputs)):
             fed = [torch.stack([layer[i, width - len(p):] for layer in prefill], dim=1)]  # (len(p), layers, k)
             fed += [torch.stack([layer[i] for layer in calls[t + 1]], dim=0)[None] for t in range(len(out.token_ids) - 1)]
-            out.routed_experts = torch.cat(fed).to(torch.int16).numpy()
+            out.routed_experts = torch.cat(fed).to(torch.int16).cpu().numpy()
         return outputs
 
     def _decode(self, prompts: list[list[int]], sampling: SamplingParams, uniforms: torch.Tensor,
