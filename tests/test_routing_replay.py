@@ -53,8 +53,9 @@ def expert_ids_used(model):
     return used, handles
 
 
-@pytest.mark.parametrize("qkv_format", ["bshd", "thd"])
-def test_replay_makes_the_experts_the_trainer_uses_the_engines(moe_model, engine_routes_elsewhere, qkv_format):
+@pytest.mark.parametrize("qkv_format, checkpointing", [("bshd", False), ("thd", False), ("bshd", True)])
+def test_replay_makes_the_experts_the_trainer_uses_the_engines(moe_model, engine_routes_elsewhere, qkv_format,
+                                                               checkpointing):
     """Trainer level, fp32: with replay the experts every policy forward (scoring and training) hands
     its MoE blocks are the engine's (mismatch 0 by construction) and the train/engine gap is smaller than without; the
     router's own top-k still differs (train/routing_mismatch_frac reports it either way)."""
@@ -81,20 +82,25 @@ def test_replay_makes_the_experts_the_trainer_uses_the_engines(moe_model, engine
         from miles.train.trainer import Trainer
 
         model = load_causal_lm(moe_model, device="cpu", attention_backend="sdpa")
-        trainer = Trainer(train_cfg(use_rollout_routing_replay=replay, micro_batch_size=6, qkv_format=qkv_format),
-                          model, None,
+        trainer = Trainer(train_cfg(use_rollout_routing_replay=replay, micro_batch_size=6, qkv_format=qkv_format,
+                                    gradient_checkpointing=checkpointing), model, None,
                           temperature=1.0, group_size=3, pad_token_id=1, precision="fp32")
         used, handles = expert_ids_used(model)
         result = trainer.train(samples)
         for h in handles:
             h.remove()
-        # The scoring forward's two MoE layers (one micro-batch of 6), then the training forward's.
-        scoring, training = used[:2], used[2:4]
+        # The scoring forward's two MoE layers (one micro-batch of 6), then the training forward's (and,
+        # with checkpointing, the backward's recompute of each layer, last layer first).
+        scoring, training, recomputed = used[:2], used[2:4], used[4:6][::-1]
+        assert len(used) == (6 if checkpointing else 4)
         results[replay] = (result.metrics, routing.mismatch_counts(engine_flat, scoring),
-                           routing.mismatch_counts(engine_flat, training))
-    (off, off_used, off_trained), (on, on_used, on_trained) = results[False], results[True]
+                           routing.mismatch_counts(engine_flat, training),
+                           routing.mismatch_counts(engine_flat, recomputed) if checkpointing else None)
+    (off, off_used, off_trained, off_re), (on, on_used, on_trained, on_re) = results[False], results[True]
     assert off_used[0] > 0 and on_used == (0, off_used[1])  # replay: every recorded route followed
     assert off_trained[0] > 0 and on_trained == (0, off_trained[1])
+    if checkpointing:
+        assert off_re[0] > 0 and on_re == (0, off_re[1])
     # The router's own top-k still differs from the engine's with replay on (from layer 1 on it sees
     # the replayed layers' outputs, so the share is not the same number as without).
     assert on["train/routing_mismatch_frac"] > 0.02 and off["train/routing_mismatch_frac"] > 0.02
