@@ -20,6 +20,7 @@ Pure Python: no torch. A malformed body raises `BadRequest` (the app answers 400
 
 from __future__ import annotations
 
+import base64
 import math
 import random
 import uuid
@@ -45,7 +46,7 @@ SAMPLING_DEFAULT_ONLY = {"min_new_tokens": 0, "min_p": 0.0, "frequency_penalty":
 # Top-level keys accepted only when absent, null, false, zero or empty.
 TOP_LEVEL_UNSUPPORTED = ("input_embeds", "stream", "top_logprobs_num", "token_ids_logprob", "custom_logit_processor",
                          "return_hidden_states", "image_data", "video_data", "audio_data", "lora_path",
-                         "return_routed_experts", "return_indexer_topk", "session_params")
+                         "return_indexer_topk", "session_params")
 
 
 class BadRequest(ValueError):
@@ -64,6 +65,7 @@ class ModelLimits:
     context_len: int  # the model's max positions
     max_total_tokens: int  # the server's KV budget, in tokens (--max-total-tokens)
     max_sequences: int = 4096  # sequences one request may ask for, n included (--max-queued-requests)
+    moe: bool = False  # the model routes tokens to experts: return_routed_experts can be honoured
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,9 @@ def parse_generate(body, limits: ModelLimits, tokenize: Callable[[str], list[int
                           list_allowed=n == 1)
     text_in_logprobs = _optional_bool(body, "return_text_in_logprobs")
     prompt_ids = _optional_bool(body, "return_prompt_token_ids")
+    routed = _optional_bool(body, "return_routed_experts")
+    if routed and not limits.moe:
+        raise BadRequest("return_routed_experts: the model has no MoE layers, so there are no routed experts")
     rids = _rids(body.get("rid"), size, batched, n)
 
     sequences = []
@@ -154,7 +159,8 @@ def parse_generate(body, limits: ModelLimits, tokenize: Callable[[str], list[int
                 rid=rids[i * n + j], input_ids=prompt,
                 sampling=sampling if seed == sampling.seed else replace(sampling, seed=seed),
                 return_logprob=return_logprob[i], logprob_start_len=start_len[i],
-                return_text_in_logprobs=text_in_logprobs, return_prompt_token_ids=prompt_ids))
+                return_text_in_logprobs=text_in_logprobs, return_prompt_token_ids=prompt_ids,
+                return_routed_experts=routed))
     return ParsedGenerate(sequences, batched or n > 1)
 
 
@@ -385,6 +391,8 @@ def generate_response(req: SequenceRequest, res: SequenceResult, decode: Callabl
         logps = res.input_logprobs or [None] * len(prompt_part)
         meta["input_token_logprobs"] = [[_finite(lp), t, token_text(t)] for lp, t in zip(logps, prompt_part)]
         meta["output_token_logprobs_length"] = len(ids)
+    if req.return_routed_experts and res.routed_experts is not None:  # as SGLang: base64 of int32 bytes
+        meta["routed_experts"] = base64.b64encode(res.routed_experts).decode("ascii")
     out = {"text": text, "output_ids": list(ids), "meta_info": meta}
     if req.return_prompt_token_ids:
         out["prompt_token_ids"] = list(req.input_ids)

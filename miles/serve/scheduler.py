@@ -22,6 +22,11 @@ sequences run and the server is not paused waits for the running batch to drain 
 is made by one weight version; new requests wait), as SGLang's model-update lock makes it wait;
 while paused it applies at once, and sequences frozen or retracted continue on the new weights.
 
+MoE routes (`return_routed_experts`): while a sequence that asked for them is in flight, every
+forward records each MoE layer's chosen experts (bridge/routing.py hooks) and each sequence keeps
+those of its own tokens; its response carries them for every token fed, prompt then output but the
+last (SGLang's `meta_info.routed_experts`: base64 of int32 (tokens, layers, k)).
+
 Memory (SGLang's release/resume_memory_occupation, tags `weights`, `kv_cache`, `cuda_graph`):
 a release needs no running rows (their KV would be lost; SGLang asserts an idle scheduler) and
 frees what its tags name: `kv_cache` the running batch's cache, `weights` the model to the CPU
@@ -45,6 +50,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from miles.bridge import routing
 from miles.config import SamplingParams
 from miles.rollout.local import LocalEngine
 from miles.rollout.sampling import sample_tokens, stream_uniforms
@@ -82,6 +88,8 @@ class _Sequence:
     input_logprobs: list[float | None] | None = None
     retractions: int = 0
     started: bool = False  # prefilled at least once
+    # MoE, when asked for: (tokens, layers, k) expert ids of the tokens fed so far, one tensor per forward
+    routes: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def rid(self) -> str:
@@ -137,6 +145,7 @@ class Scheduler:
         self.batch = SlotBatch(engine.runner) if engine.runner is not None else RunningBatch(engine.model,
                                                                                            pad_token_id=pad_token_id)
         self.eos = frozenset(eos_token_ids)
+        self.moe = bool(routing.routers(engine.model))  # return_routed_experts can be honoured
         self.limits = limits
         self.weight_version = weight_version
         self.model_path = model_path
@@ -276,7 +285,13 @@ class Scheduler:
                     future.set_result(result)
 
     def _iteration(self) -> None:
-        logits = [self.batch.step(self._next_tokens)] if self._rows else []  # (B, V)
+        logits = []
+        if self._rows:
+            step, routes = self._forward(self._rows, self.batch.step, self._next_tokens)  # (B, V); (B, layers, k)
+            logits.append(step)
+            if routes is not None:
+                for i, seq in enumerate(self._rows):
+                    seq.routes.append(routes[i:i + 1])
         logits += self._admit()
         if not logits:
             return
@@ -341,9 +356,18 @@ class Scheduler:
         logits = []
         self.counters.prefill_batches += bool(group) + len(singles)
         if group:
-            logits.append(self.batch.prefill([s.req.input_ids + s.output_ids for s in group])[:, -1])
+            fed = [s.req.input_ids + s.output_ids for s in group]
+            group_logits, routes = self._forward(group, self.batch.prefill, fed)
+            logits.append(group_logits[:, -1])
+            if routes is not None:  # the prompts left-padded to the longest (RunningBatch.prefill)
+                routes = routes.view(len(fed), -1, *routes.shape[1:])
+                for i, (seq, ids) in enumerate(zip(group, fed)):
+                    seq.routes = [routes[i, routes.shape[1] - len(ids):]]  # a re-prefill feeds everything again
         for seq in singles:
-            prompt_logits = self.batch.prefill([seq.req.input_ids], keep_logits=self._logits_to_keep(seq))[0]
+            prompt_logits, routes = self._forward([seq], self.batch.prefill, [seq.req.input_ids],
+                                                  keep_logits=self._logits_to_keep(seq))
+            prompt_logits = prompt_logits[0]
+            seq.routes = [routes] if routes is not None else []
             seq.input_logprobs = self._input_logprobs(seq, prompt_logits)
             logits.append(prompt_logits[-1:])
         for seq in group + singles:
@@ -351,6 +375,17 @@ class Scheduler:
             seq.started = True
         self._rows += group + singles
         return logits
+
+    def _forward(self, fed: list[_Sequence], fn: Callable, *args, **kwargs):
+        """`fn(*args)`, a forward of the tokens of sequences `fed`, and (tokens, layers, k) the experts each
+        MoE layer chose for them in the forward's order, when one of them asked for routes (else None).
+        Routes are read by forward hooks: the HF cache path only (an MoE model never gets the fast
+        path's CUDA graphs, where hooks do not run)."""
+        if not (self.moe and any(s.req.return_routed_experts for s in fed)):
+            return fn(*args, **kwargs), None
+        with routing.record_routes(self.engine.model) as calls:
+            out = fn(*args, **kwargs)
+        return out, torch.stack(calls[0], dim=1)
 
     @staticmethod
     def _logits_to_keep(seq: _Sequence) -> int:
@@ -372,9 +407,12 @@ class Scheduler:
 
     def _prompt_only(self, seq: _Sequence) -> None:
         """max_new_tokens 0: a prefill for the prompt's log-probs if asked, and no token."""
-        if seq.req.wants_input_logprobs:
-            logits = self.batch.score(seq.req.input_ids, keep_logits=self._logits_to_keep(seq))
-            seq.input_logprobs = self._input_logprobs(seq, logits)
+        if seq.req.wants_input_logprobs or (seq.req.return_routed_experts and self.moe):
+            keep = self._logits_to_keep(seq) if seq.req.wants_input_logprobs else 1
+            logits, routes = self._forward([seq], self.batch.score, seq.req.input_ids, keep_logits=keep)
+            if seq.req.wants_input_logprobs:
+                seq.input_logprobs = self._input_logprobs(seq, logits)
+            seq.routes = [routes[:-1]] if routes is not None else []  # no token follows the last one fed
         self._resolve(seq, Finish("length"))
 
     # -- sampling and finishing -----------------------------------------------------------------
@@ -437,9 +475,12 @@ class Scheduler:
             self.counters.aborted += 1
         else:
             self.counters.finished += 1
+        routes = None
+        if seq.req.return_routed_experts and seq.routes:  # prompt + output - 1 tokens: the last is never fed
+            routes = torch.cat(seq.routes).to(device="cpu", dtype=torch.int32).numpy().tobytes()
         result = SequenceResult(output_ids=seq.output_ids, output_logprobs=seq.output_logprobs, finish=finish,
                                 weight_version=self.weight_version, e2e_latency=time.monotonic() - seq.arrived,
-                                input_logprobs=seq.input_logprobs, retractions=seq.retractions)
+                                input_logprobs=seq.input_logprobs, retractions=seq.retractions, routed_experts=routes)
         if not seq.future.done():
             seq.future.set_result(result)
 

@@ -68,6 +68,7 @@ def _cap_memory(fraction: float | None, device: str) -> None:
 
 
 def build_state(args: argparse.Namespace) -> ServeState:
+    from miles.bridge import routing
     from miles.rollout.local import LocalEngine
     from miles.utils.models import eos_token_ids, load_causal_lm, load_tokenizer, quiet_transformers, resolve_checkpoint
 
@@ -93,7 +94,8 @@ def build_state(args: argparse.Namespace) -> ServeState:
         return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     limits = ModelLimits(vocab_size=config.vocab_size, context_len=getattr(config, "max_position_embeddings", 1 << 30),
-                         max_total_tokens=args.max_total_tokens, max_sequences=args.max_queued_requests)
+                         max_total_tokens=args.max_total_tokens, max_sequences=args.max_queued_requests,
+                         moe=bool(routing.routers(model)))
     scheduler = Scheduler(engine, pad_token_id=tokenizer.pad_token_id, eos_token_ids=eos,
                           limits=SchedulerLimits(max_running_requests=args.max_running_requests,
                                                  max_total_tokens=args.max_total_tokens,

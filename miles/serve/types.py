@@ -40,6 +40,8 @@ class SequenceRequest:
     """-1: output log-probs only; k >= 0: also `input_token_logprobs` from prompt position k."""
     return_text_in_logprobs: bool = False
     return_prompt_token_ids: bool = False
+    return_routed_experts: bool = False
+    """MoE: `meta_info.routed_experts`, the experts each layer chose for every token fed."""
 
     @property
     def wants_input_logprobs(self) -> bool:
@@ -68,3 +70,5 @@ class SequenceResult:
     e2e_latency: float  # seconds from arrival to finish
     input_logprobs: list[float | None] | None = None  # per prompt position from logprob_start_len; first None
     retractions: int = 0  # times a pause (mode retract) sent it back to the queue
+    # MoE, when asked: int32 bytes of (prompt + output - 1, layers, k) expert ids, SGLang's layout
+    routed_experts: bytes | None = None

@@ -7,6 +7,11 @@ every tensor names a parameter of the model (or a tied alias such as `lm_head.we
 that ties it to the embeddings, or a buffer, which is skipped); every parameter is present, with
 the model's shape, a floating dtype and finite values. The tensors come back by parameter name,
 for `LocalEngine.update_weights` (which casts them to the engine's dtype).
+
+A checkpoint in the model's original layout rather than its in-memory one (transformers 5 fuses
+MoE experts in memory, `experts.gate_up_proj`, and `save_pretrained` writes them back per expert,
+`experts.0.w1.weight`) is loaded through the model class's own `from_pretrained` on the CPU, which
+converts it, and then checked the same way.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class ParameterSpecs:
     shapes: dict[str, tuple[int, ...]]  # parameter name (as named_parameters gives it) -> shape
     aliases: dict[str, str]  # a tied parameter's other names -> its name in `shapes`
     buffers: frozenset[str]  # non-parameter state a checkpoint may carry; skipped
+    model_class: type | None = None  # an MoE model's class: converts a checkpoint in its saved layout
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ParameterSpecs:
@@ -40,7 +46,11 @@ class ParameterSpecs:
             else:
                 seen[id(p)] = name
                 shapes[name] = tuple(p.shape)
-        return cls(shapes, aliases, frozenset(name for name, _ in model.named_buffers()))
+        from miles.bridge.routing import family_of
+
+        # Only the MoE families are saved in another layout than they hold (their experts fused in memory).
+        converter = type(model) if family_of(model) is not None else None
+        return cls(shapes, aliases, frozenset(name for name, _ in model.named_buffers()), converter)
 
 
 def checkpoint_files(model_path: str) -> list[Path]:
@@ -65,6 +75,8 @@ def load_checked(model_path: str, specs: ParameterSpecs) -> dict[str, torch.Tens
             loaded.update(load_file(str(f)))
         except Exception as e:  # a truncated or foreign file: say which, not a Rust traceback
             raise WeightLoadError(f"cannot read {f}: {e}") from None
+    if specs.model_class is not None and _foreign_names(loaded, specs):
+        loaded = _converted(model_path, specs.model_class)
     tensors: dict[str, torch.Tensor] = {}
     unknown = []
     for name, t in loaded.items():
@@ -90,3 +102,26 @@ def load_checked(model_path: str, specs: ParameterSpecs) -> dict[str, torch.Tens
         if not bool(torch.isfinite(t).all()):
             raise WeightLoadError(f"{name} holds non-finite values (NaN or Inf) in {model_path}")
     return tensors
+
+
+def _foreign_names(loaded: dict[str, torch.Tensor], specs: ParameterSpecs) -> bool:
+    return any(specs.aliases.get(n, n) not in specs.shapes and n not in specs.buffers for n in loaded)
+
+
+def _converted(model_path: str, model_class: type) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under the model's in-memory names, as `from_pretrained` converts them."""
+    import logging
+
+    try:
+        model, info = model_class.from_pretrained(model_path, dtype="auto", device_map="cpu", output_loading_info=True)
+    except Exception as e:  # a checkpoint of another architecture: say so, as the name check would
+        first = (str(e).strip().splitlines() or [""])[0][:200]  # transformers' conversion errors run for pages
+        raise WeightLoadError(f"{model_path} does not load as {model_class.__name__}: {type(e).__name__}: {first}") \
+            from None
+    # from_pretrained fills a missing tensor with a fresh init: that is a checkpoint that does not fit
+    for kind, what in (("missing_keys", "lacks"), ("unexpected_keys", "holds tensors the model does not have:")):
+        if info.get(kind):
+            raise WeightLoadError(f"{model_path} {what} {_listed(sorted(info[kind]))}")
+    logging.getLogger("miles").info("%s: converted from its saved layout by %s.from_pretrained", model_path,
+                                    model_class.__name__)
+    return {name: p.detach() for name, p in model.named_parameters()}

@@ -26,6 +26,20 @@ logger = logging.getLogger("miles")
 __all__ = ["BACKENDS", "EngineError", "RemoteEngine", "connect"]
 
 
+def routed_top_k(model_dir: str) -> int | None:
+    """An MoE checkpoint's experts per token (its config.json; families of miles.bridge.routing), else None."""
+    import json
+
+    from miles.bridge.routing import FAMILIES
+
+    config = Path(model_dir) / "config.json"
+    try:
+        c = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    return int(c["num_experts_per_tok"]) if c.get("model_type") in FAMILIES and "num_experts_per_tok" in c else None
+
+
 def connect(cfg: EngineConfig, *, model_dir: str, closers: contextlib.ExitStack, precision: str, seed: int,
             max_model_len: int, eos_token_ids: list[int], vocab_size: int, weight_version: int,
             work_dir: Path, device: str | None = None, mem_fraction: float | None = None,
@@ -43,18 +57,23 @@ def connect(cfg: EngineConfig, *, model_dir: str, closers: contextlib.ExitStack,
         logger.warning("%s serves a model with tied embeddings; vLLM 0.32's reload_weights leaves a tied lm_head on "
                        "the old weights: start it on an untied copy (miles does when it starts vLLM itself) and "
                        "check with --check-weight-update-equal", ", ".join(urls))
+    top_k = routed_top_k(model_dir)
     options = dict(log_dir=cfg.log_dir, start_timeout=cfg.start_timeout, precision=precision, seed=seed,
                    max_model_len=max_model_len, python=cfg.vllm_python, weight_version=weight_version, device=device,
-                   mem_fraction=mem_fraction)
+                   mem_fraction=mem_fraction, moe=top_k is not None)
     if not urls and launch is not None:
         urls = launch(cfg.backend, model_dir, options)
     elif not urls:
         urls = closers.enter_context(ServerFleet(cfg.backend, model_dir, cfg.num_engines, **options)).start()
     server_type = _SERVERS[cfg.backend]
     servers = [server_type(ServerClient(url, flag=server_type.flag, timeout=cfg.request_timeout, retries=cfg.retries),
-                           eos_token_ids=eos_token_ids, vocab_size=vocab_size) for url in urls]
+                           eos_token_ids=eos_token_ids, vocab_size=vocab_size, routed_top_k=top_k) for url in urls]
     for server in servers:  # fail now, naming the URL, rather than at the first rollout
         server.client.request("GET", server.health_path)
     logger.info("Rollout backend %s: %d server(s) %s, %d requests in flight each", cfg.backend, len(servers),
                 ", ".join(urls), cfg.concurrency)
+    if top_k is not None:
+        logger.info("MoE model: the servers are asked for each token's routed experts (top-%d)%s", top_k,
+                    "; vLLM returns them only on a GPU (its --enable-return-routed-experts needs the V2 model runner, "
+                    "which needs Triton)" if cfg.backend == "vllm" else "")
     return RemoteEngine(servers, concurrency=cfg.concurrency, weight_version=weight_version, untie=untie)

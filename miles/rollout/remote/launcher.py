@@ -69,11 +69,13 @@ def vllm_python(given: str | None) -> str:
 def server_command(backend: str, model_dir: str, port: int, *, precision: str, seed: int, max_model_len: int,
                    python: str | None, weight_version: int, device: str, cpu_threads: int | None = None,
                    mem_fraction: float | None = None, tensor_parallel: int = 1,
-                   enforce_eager: bool = True) -> tuple[list[str], dict[str, str]]:
+                   enforce_eager: bool = True, moe: bool = False) -> tuple[list[str], dict[str, str]]:
     """The command line and extra environment of one server on `device` (cpu | cuda); `cpu_threads`
     is for `miles serve` on a CPU, `mem_fraction` for a GPU, `tensor_parallel` (devices per server)
     and `enforce_eager` (False: vLLM's default compiled mode, which benchmarks/cpu_engines.py
-    measures) for vLLM (`miles serve` runs on one device: the CLI refuses more)."""
+    measures) for vLLM (`miles serve` runs on one device: the CLI refuses more). `moe`: an MoE model,
+    whose routes a vLLM server on a GPU returns (--enable-return-routed-experts, which needs vLLM's
+    model runner V2; `miles serve` returns them when asked)."""
     gpu = device == "cuda"
     if backend == "sglang":
         command = [sys.executable, "-m", "miles", "serve", "--hf-checkpoint", model_dir, "--port", str(port),
@@ -93,12 +95,16 @@ def server_command(backend: str, model_dir: str, port: int, *, precision: str, s
         command += ["--enforce-eager"]
     if tensor_parallel > 1:
         command += ["--tensor-parallel-size", str(tensor_parallel)]
+    env = {}
+    if moe and gpu:  # routed experts need the V2 model runner, which needs Triton: a GPU
+        command += ["--enable-return-routed-experts"]
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     if gpu:  # on a CPU --gpu-memory-utilization is a share of the host's RAM, and sleep mode refuses to start
         command += ["--enable-sleep-mode"]
         if mem_fraction is not None:
             command += ["--gpu-memory-utilization", str(mem_fraction)]
     return (command,
-            {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",  # the RL endpoints; a local dir needs no hub
+            {**env, "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",  # the RL endpoints; a local dir needs no hub
              # vLLM's CPU backend reserves this many GiB of KV cache (its default, 4, is most of a small host)
              "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")})
 
@@ -142,7 +148,7 @@ class ServerFleet:
     def __init__(self, backend: str, model_dir: str, n: int, *, log_dir: str, start_timeout: float, precision: str,
                  seed: int, max_model_len: int, python: str | None, weight_version: int, device: str | None = None,
                  mem_fraction: float | None = None, cpu_threads: int | None = None, tensor_parallel: int = 1,
-                 enforce_eager: bool = True):
+                 enforce_eager: bool = True, moe: bool = False):
         self.backend, self.model_dir, self.n = backend, model_dir, n
         self.log_dir, self.start_timeout = Path(log_dir), start_timeout
         device = device or default_device()
@@ -152,7 +158,7 @@ class ServerFleet:
         self.options = dict(precision=precision, seed=seed, max_model_len=max_model_len, python=python,
                             weight_version=weight_version, device=device, mem_fraction=mem_fraction,
                             cpu_threads=cpu_threads or max(1, host_cores() // n), tensor_parallel=tensor_parallel,
-                            enforce_eager=enforce_eager)
+                            enforce_eager=enforce_eager, moe=moe)
         self.servers: list[Launched] = []
 
     def __enter__(self) -> ServerFleet:

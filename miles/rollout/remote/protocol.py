@@ -41,6 +41,33 @@ def checked_output(token_ids: Any, log_probs: Any, finish: Any, *, max_new_token
                             weight_version=weight_version)
 
 
+def decode_routes(value: Any, *, tokens: int, top_k: int, npy: bool = False):
+    """A server's `routed_experts` as (tokens, layers, k) int16 numpy expert ids: SGLang's base64 of raw
+    int32 bytes (reshaped here: the layer count follows from the size), or vLLM's base64 of a `.npy`
+    file (`npy`, shaped already). `tokens`: prompt + output - 1, the tokens the engine fed."""
+    import base64
+    import io
+
+    import numpy as np
+
+    if not isinstance(value, str):
+        raise Garbage(f"routed_experts is {_short(value)}, not a base64 string")
+    try:
+        raw = base64.b64decode(value.encode("ascii"), validate=True)
+        routes = np.load(io.BytesIO(raw), allow_pickle=False) if npy else np.frombuffer(raw, dtype=np.int32)
+    except Exception as e:  # binascii.Error, ValueError from a bad .npy header
+        raise Garbage(f"routed_experts does not decode ({type(e).__name__}: {e})") from None
+    if not npy:
+        per_token = routes.size // tokens if tokens else 0
+        if tokens == 0 or per_token == 0 or routes.size % (tokens * top_k):
+            raise Garbage(f"routed_experts holds {routes.size} ids, not tokens ({tokens}) x layers x top-k ({top_k})")
+        routes = routes.reshape(tokens, -1, top_k)
+    if routes.ndim != 3 or routes.shape[0] != tokens or routes.shape[2] != top_k or routes.dtype.kind not in "iu":
+        raise Garbage(f"routed_experts of shape {routes.shape} ({routes.dtype}); expected ({tokens}, layers, {top_k}) "
+                      "integer ids")
+    return routes.astype(np.int16)
+
+
 def version_number(value: Any) -> int | None:
     """A server's weight_version ("3", 3, "default") as the step number miles sent, when it is one."""
     try:

@@ -8,6 +8,10 @@ read from `meta_info.output_token_logprobs` (`[logprob, token_id, text]` triples
 Weights: `pause_generation` -> `flush_cache` -> `update_weights_from_disk {model_path,
 weight_version}` -> `continue_generation`, the sequence slime and Miles use.
 
+MoE (`routed_top_k` set): each request asks for `return_routed_experts` and each output carries the
+decoded `meta_info.routed_experts` (SGLang needs `--enable-return-routed-experts`; `miles serve`
+always has them); a server that sends none leaves `routed_experts` None.
+
 Memory: `release_memory_occupation {}` / `resume_memory_occupation {}` (no tags: weights, KV cache
 and CUDA graphs alike). SGLang frees memory only when started with `--enable-memory-saver`, and
 refuses a release while requests run.
@@ -22,7 +26,7 @@ import httpx
 from miles.config import SamplingParams
 from miles.rollout.engine import GenerationOutput
 from miles.rollout.remote.http import EngineError, ServerClient
-from miles.rollout.remote.protocol import Garbage, checked_output, version_number
+from miles.rollout.remote.protocol import Garbage, checked_output, decode_routes, version_number
 
 FLAG = "--sglang-url"
 _FINISH = {"stop": "stop", "length": "length"}
@@ -32,8 +36,11 @@ class SGLangServer:
     flag = FLAG
     health_path = "/health_generate"
 
-    def __init__(self, client: ServerClient, *, eos_token_ids: list[int], vocab_size: int):
+    def __init__(self, client: ServerClient, *, eos_token_ids: list[int], vocab_size: int,
+                 routed_top_k: int | None = None):
+        """`routed_top_k`: an MoE model's experts per token (ask for the routes), None for a dense one."""
         self.client, self.eos_token_ids, self.vocab_size = client, eos_token_ids, vocab_size
+        self.routed_top_k = routed_top_k
 
     def params(self, sampling: SamplingParams, seed: int) -> dict[str, Any]:
         return {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
@@ -44,15 +51,17 @@ class SGLangServer:
                        seeds: list[int]) -> list[GenerationOutput]:
         body = {"input_ids": prompts, "sampling_params": [self.params(sampling, s) for s in seeds],
                 "return_logprob": True}
+        if self.routed_top_k is not None:
+            body["return_routed_experts"] = True
         answer = await self.client.call(session, "POST", "/generate", body)
         if not isinstance(answer, list) or len(answer) != len(prompts):
             raise self.client.fail(f"POST /generate answered {_what(answer)} for a batch of {len(prompts)}")
         try:
-            return [self._output(item, sampling) for item in answer]
+            return [self._output(item, sampling, len(p)) for item, p in zip(answer, prompts)]
         except Garbage as e:
             raise self.client.fail(f"POST /generate answered garbage: {e}") from None
 
-    def _output(self, item: Any, sampling: SamplingParams) -> GenerationOutput:
+    def _output(self, item: Any, sampling: SamplingParams, prompt_len: int) -> GenerationOutput:
         meta = item.get("meta_info") if isinstance(item, dict) else None
         if not isinstance(meta, dict) or not isinstance(meta.get("output_token_logprobs"), list):
             raise Garbage("no meta_info.output_token_logprobs (the server must honour return_logprob)")
@@ -63,9 +72,13 @@ class SGLangServer:
         kind = finish.get("type") if isinstance(finish, dict) else finish
         if kind == "abort":
             raise Garbage(f"the server aborted the request ({finish.get('message', '') if isinstance(finish, dict) else ''})")
-        return checked_output([t[1] for t in triples], [t[0] for t in triples], _FINISH.get(kind, kind),
-                              max_new_tokens=sampling.max_new_tokens, vocab_size=self.vocab_size,
-                              weight_version=version_number(meta.get("weight_version")))
+        out = checked_output([t[1] for t in triples], [t[0] for t in triples], _FINISH.get(kind, kind),
+                             max_new_tokens=sampling.max_new_tokens, vocab_size=self.vocab_size,
+                             weight_version=version_number(meta.get("weight_version")))
+        if self.routed_top_k is not None and meta.get("routed_experts") is not None:
+            out.routed_experts = decode_routes(meta["routed_experts"], tokens=prompt_len + len(out.token_ids) - 1,
+                                               top_k=self.routed_top_k)
+        return out
 
     def load_weights(self, path: str, weight_version: int) -> None:
         c = self.client

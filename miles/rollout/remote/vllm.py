@@ -12,6 +12,11 @@ Weights: `/pause?mode=wait` -> `/collective_rpc reload_weights {weights_path}` -
 (fused tensors such as qkv_proj hash as empty), so `weights_checksum` is None and a weight check
 is behavioural: `prompt_log_probs` of a fixed sequence, compared with the trainer's.
 
+MoE (`routed_top_k` set): each choice's `routed_experts` (base64 of a `.npy`, (tokens - 1, layers, k))
+is decoded into the output. vLLM sends them only when started with `--enable-return-routed-experts`
+(miles passes it, with VLLM_USE_V2_MODEL_RUNNER=1, when it starts vLLM on a GPU for an MoE model);
+vLLM's CPU backend cannot (that runner needs Triton), so there an MoE rollout comes without routes.
+
 Memory: `/sleep?level=1` (weights offloaded to CPU memory, KV cache discarded; the engine pauses)
 and `/wake_up`, on a server started with `--enable-sleep-mode` (miles passes it when it starts
 vLLM on a GPU). Without it (vLLM's CPU backend has no sleep mode: its worker ignores `/sleep`, and
@@ -30,7 +35,7 @@ import httpx
 from miles.config import SamplingParams
 from miles.rollout.engine import GenerationOutput
 from miles.rollout.remote.http import EngineError, ServerClient
-from miles.rollout.remote.protocol import Garbage, checked_output
+from miles.rollout.remote.protocol import Garbage, checked_output, decode_routes
 
 FLAG = "--vllm-url"
 
@@ -41,8 +46,12 @@ class VLLMServer:
     flag = FLAG
     health_path = "/health"
 
-    def __init__(self, client: ServerClient, *, eos_token_ids: list[int], vocab_size: int):
+    def __init__(self, client: ServerClient, *, eos_token_ids: list[int], vocab_size: int,
+                 routed_top_k: int | None = None):
+        """`routed_top_k`: an MoE model's experts per token (read each choice's `routed_experts`: a
+        server started with --enable-return-routed-experts sends them), None for a dense one."""
         self.client, self.eos_token_ids, self.vocab_size = client, eos_token_ids, vocab_size
+        self.routed_top_k = routed_top_k
         self.weight_version: int | None = None  # vLLM does not track one: the last step loaded
         self._sleep_mode: bool | None = None  # started with --enable-sleep-mode; asked on first use
 
@@ -60,11 +69,11 @@ class VLLMServer:
         answers = await asyncio.gather(*(self.client.call(session, "POST", "/v1/completions",
                                                           self.body(p, sampling, s)) for p, s in zip(prompts, seeds)))
         try:
-            return [self._output(a, sampling) for a in answers]
+            return [self._output(a, sampling, len(p)) for a, p in zip(answers, prompts)]
         except Garbage as e:
             raise self.client.fail(f"POST /v1/completions answered garbage: {e}") from None
 
-    def _output(self, answer: Any, sampling: SamplingParams) -> GenerationOutput:
+    def _output(self, answer: Any, sampling: SamplingParams, prompt_len: int) -> GenerationOutput:
         choices = answer.get("choices") if isinstance(answer, dict) else None
         if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
             raise Garbage("no single choice in the completion")
@@ -74,9 +83,13 @@ class VLLMServer:
             raise Garbage("no token_ids / logprobs (the server must honour return_token_ids and logprobs)")
         if choice.get("finish_reason") == "abort":
             raise Garbage("the server aborted the request")
-        return checked_output(choice["token_ids"], logprobs.get("token_logprobs"), choice.get("finish_reason"),
-                              max_new_tokens=sampling.max_new_tokens, vocab_size=self.vocab_size,
-                              weight_version=self.weight_version)
+        out = checked_output(choice["token_ids"], logprobs.get("token_logprobs"), choice.get("finish_reason"),
+                             max_new_tokens=sampling.max_new_tokens, vocab_size=self.vocab_size,
+                             weight_version=self.weight_version)
+        if self.routed_top_k is not None and choice.get("routed_experts") is not None:
+            out.routed_experts = decode_routes(choice["routed_experts"], tokens=prompt_len + len(out.token_ids) - 1,
+                                               top_k=self.routed_top_k, npy=True)
+        return out
 
     def load_weights(self, path: str, weight_version: int) -> None:
         c = self.client
