@@ -8,7 +8,10 @@ differs from the engine's) and `train/train_rollout_logprob_abs_diff` at step 1 
 for both modes of a seed) and over all steps, as median [min..max] over the seeds.
 
     python benchmarks/routing_replay.py [--device cpu|cuda] [--steps 4] [--seeds 3] [--families qwen3_moe,mixtral]
-        [--hidden-size 32 --layers 2 --experts 8 --top-k 2]
+        [--hidden-size 32 --layers 2 --experts 8 --top-k 2] [--precision bf16|fp32] [--plant-router-fault 0.5]
+
+`--plant-router-fault S`: a planted fault, the engine's copy of each router perturbed by S x its std
+as the engine is built (the engine and the trainer then route many tokens differently).
 """
 
 from __future__ import annotations
@@ -30,6 +33,23 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.3g} [{min(values):.3g}..{max(values):.3g}]"
 
 
+def plant_router_fault(scale: float) -> None:
+    import torch
+
+    from miles.bridge import routing
+    from miles.rollout.local import engine as local_engine
+
+    built = local_engine.LocalEngine.__init__
+
+    def perturbed(self, model, **kw):
+        with torch.no_grad():
+            for r in routing.routers(model):
+                r.weight.add_(scale * torch.randn_like(r.weight) * r.weight.std())
+        built(self, model, **kw)
+
+    local_engine.LocalEngine.__init__ = perturbed
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
@@ -40,11 +60,16 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--precision", default="bf16")
+    p.add_argument("--plant-router-fault", type=float, default=0.0, metavar="S")
     a = p.parse_args()
+    if a.plant_router_fault:
+        plant_router_fault(a.plant_router_fault)
     work = Path(tempfile.mkdtemp(prefix="miles-r3-"))
     prompts = write_prompts(work / "prompts.jsonl")
     shape = dict(hidden_size=a.hidden_size, layers=a.layers, experts=a.experts, top_k=a.top_k)
-    print(f"device {a.device}, bf16, {a.steps} steps x 16 samples, MoE {shape}, seeds 1..{a.seeds}")
+    fault = f", engine routers perturbed x{a.plant_router_fault}" if a.plant_router_fault else ""
+    print(f"device {a.device}, {a.precision}{fault}, {a.steps} steps x 16 samples, MoE {shape}, seeds 1..{a.seeds}")
     print(f"{'family':<10} {'replay':<6} {'mismatch step 1':<26} {'mismatch all steps':<26} "
           f"{'gap step 1':<28} {'gap all steps':<28}")
     for family in a.families.split(","):
@@ -58,7 +83,7 @@ def main() -> None:
                               "miles.testing.rewards:digit_share", "--rollout-batch-size", "4",
                               "--n-samples-per-prompt", "4", "--rollout-max-response-len", "16",
                               "--micro-batch-size", "4", "--num-rollout", str(a.steps), "--lr", "1e-3",
-                              "--precision", "bf16", "--device", a.device, "--seed", str(seed),
+                              "--precision", a.precision, "--device", a.device, "--seed", str(seed),
                               "--output-dir", str(out)] + (["--use-rollout-routing-replay"] if replay else []))
                 mm = [r["train/routing_mismatch_frac"] for r in rows]
                 gap = [r["train/train_rollout_logprob_abs_diff"] for r in rows]

@@ -39,7 +39,7 @@ def engine_routes_elsewhere(monkeypatch):
     def perturbed(self, model, **kw):
         with torch.no_grad():
             for r in routing.routers(model):
-                r.weight.add_(0.5 * torch.randn_like(r.weight) * r.weight.std())
+                r.weight.add_(0.25 * torch.randn_like(r.weight) * r.weight.std())
         built(self, model, **kw)
 
     monkeypatch.setattr(local_engine.LocalEngine, "__init__", perturbed)
