@@ -59,6 +59,17 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    interval: int | None
+    """Evaluate before step 1 and after every `interval` steps; None: no evaluation."""
+    datasets: tuple[tuple[str, str], ...]
+    """(name, path) of each held-out prompt set."""
+    n_samples_per_prompt: int
+    sampling: SamplingParams
+    """Greedy (temperature 0) by default."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     num_steps_per_rollout: int
     global_batch_size: int
@@ -208,6 +219,7 @@ class Configs:
     run: RunConfig
     debug: DebugConfig
     cluster: ClusterConfig
+    eval: EvalConfig
 
 
 def build_configs(args: argparse.Namespace) -> Configs:
@@ -254,4 +266,10 @@ def build_configs(args: argparse.Namespace) -> Configs:
             rollout_num_gpus=a.rollout_num_gpus, rollout_num_gpus_per_engine=a.rollout_num_gpus_per_engine,
             colocate=a.colocate, distributed_timeout_minutes=a.distributed_timeout_minutes,
             async_rollout=a.async_rollout),
+        eval=EvalConfig(
+            interval=a.eval_interval,
+            datasets=tuple(zip(a.eval_prompt_data[0::2], a.eval_prompt_data[1::2])) if a.eval_prompt_data else (),
+            n_samples_per_prompt=a.n_samples_per_eval_prompt,
+            sampling=SamplingParams(max_new_tokens=a.eval_max_response_len or a.rollout_max_response_len,
+                                    temperature=a.eval_temperature, top_p=a.eval_top_p)),
     )

@@ -40,6 +40,7 @@ from miles.errors import CheckFailed, RunFailed, Stopped, UsageError, WorkerCras
 from miles.cluster.colocate import Apart, Colocated
 from miles.rollout.ahead import AheadRollouts
 from miles.rollout.engine import Engine
+from miles.rollout.evaluation import EvalSet, Evaluator
 from miles.rollout.local import LocalEngine
 from miles.rollout.local.true_on_policy import TrainerComputationVerifier
 from miles.rollout.replay import ReplaySource
@@ -73,6 +74,7 @@ class Components:
     check_context: CheckContext  # what the alignment check needs to know
     cluster: object | None = None  # the ClusterRun hosting ranks and engines on Ray; None in one process
     turns: Apart = Apart()  # --colocate: trainer and engines take turns on the device
+    evaluator: Evaluator | None = None  # --eval-prompt-data: held-out prompts through the engine
     done: int = 0  # the last step whose results are written
     in_step: bool = False  # between a step's first update and its results being written
 
@@ -121,6 +123,9 @@ def train_steps(c: Components, cfg: Configs, signals: StopSignals, metrics_out: 
     run, debug = cfg.run, cfg.debug
     dump_meta = dump_metadata(cfg)
     c.done, nonfinite_steps = c.start_step, 0
+    if c.evaluator is not None and c.start_step == 0:  # the baseline every later evaluation compares with
+        c.turns.for_rollout()
+        metrics_out.write(0, c.evaluator.evaluate(0))
     for step in range(c.start_step + 1, run.num_rollout + 1):
         rollout_id = step - 1  # the engine holds the weights after `rollout_id` steps (one fewer with --async)
         step_start = time.perf_counter()
@@ -139,6 +144,9 @@ def train_steps(c: Components, cfg: Configs, signals: StopSignals, metrics_out: 
             if isinstance(c.turns, Colocated):
                 metrics["perf/colocate_switch_s"] = c.turns.take_seconds()
             metrics["perf/step_time_s"] = time.perf_counter() - step_start
+            if c.evaluator is not None and c.evaluator.due(step):  # after the sync: the weights this step made
+                c.turns.for_rollout()
+                metrics.update(c.evaluator.evaluate(step))
             if hashes_out is not None:
                 hashes_out.write(step, {**rollout_hashes(rollout.samples), **(result.hashes if result else {})})
             metrics_out.write(step, metrics)  # before the checkpoint: a kill between the two redoes the step
@@ -344,8 +352,32 @@ def build_components(cfg: Configs, data: PromptData | None, reward_fn: RewardFn 
     colocated = cfg.cluster.colocate and trainer is not None and engine is not None
     turns = Colocated(trainer, engine) if colocated else Apart()
     c = Components(tokenizer, source, engine, trainer, transport, checkpoints, dataset, start_step, context,
-                   cluster=cluster, turns=turns)
+                   cluster=cluster, turns=turns, evaluator=build_evaluator(cfg, engine, tokenizer, reward_fn, base))
     return c
+
+
+def build_evaluator(cfg: Configs, engine: Engine | None, tokenizer, reward_fn: RewardFn | None,
+                    base: Path) -> Evaluator | None:
+    """--eval-prompt-data's sets, each prompt checked to fit the model as the training prompts are."""
+    if cfg.eval.interval is None or engine is None:
+        return None
+    from miles.data.prompts import load_prompt_data
+
+    sets = []
+    for name, path in cfg.eval.datasets:
+        data = load_prompt_data(path, cfg.data.input_key, cfg.data.label_key,
+                                scalar_labels=cfg.rollout.custom_rm_path is None)
+        records = drop_long_prompts(data.records, tokenizer, apply_chat_template=cfg.data.apply_chat_template,
+                                    max_prompt_len=cfg.data.max_prompt_len,
+                                    max_positions=_max_positions(base) - cfg.eval.sampling.max_new_tokens)
+        sets.append(EvalSet(name, records))
+        logger.info("eval set %s: %d prompts from %s, %d response(s) each, temperature %g, every %d step(s)", name,
+                    len(records), path, cfg.eval.n_samples_per_prompt, cfg.eval.sampling.temperature,
+                    cfg.eval.interval)
+    name = f"--custom-rm-path {cfg.rollout.custom_rm_path}" if cfg.rollout.custom_rm_path else \
+        f"--rm-type {cfg.rollout.rm_type}"
+    return Evaluator(cfg.eval, sets, engine, tokenizer, guarded_reward(reward_fn, name, cfg.rollout.reward_timeout),
+                     apply_chat_template=cfg.data.apply_chat_template, seed=cfg.run.seed)
 
 
 def resume_point(cfg: Configs, config: dict) -> tuple[Path | None, dict | None]:

@@ -65,6 +65,11 @@ def prepare(args: argparse.Namespace):
     validate_train_args(args)
     resolve_data_args(args)
     resolve_paths(args)
+    if args.eval_prompt_data:  # NAME PATH pairs: the paths absolute, each set readable with the run's keys
+        args.eval_prompt_data = [v if i % 2 == 0 else os.path.abspath(os.path.expanduser(v))
+                                 for i, v in enumerate(args.eval_prompt_data)]
+        for path in args.eval_prompt_data[1::2]:
+            load_prompt_data(path, args.input_key, args.label_key, scalar_labels=args.custom_rm_path is None)
     data = reward_fn = None
     if args.load_debug_rollout_data is None:  # a replay takes prompts and rewards from the dumps
         data = load_prompt_data(args.prompt_data, args.input_key, args.label_key,

@@ -54,6 +54,20 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="seconds one sample's reward may take; a reward that hangs stops the run with an error "
                         "naming it (default: 60)")
 
+    g = p.add_argument_group("evaluation (held-out prompts, through the rollout engine; never trained on)")
+    g.add_argument("--eval-interval", type=int, metavar="N",
+                   help="evaluate before the first step and after every N steps (needs --eval-prompt-data)")
+    g.add_argument("--eval-prompt-data", nargs="+", metavar="NAME PATH",
+                   help="evaluation sets as NAME PATH pairs (.jsonl or .parquet, the --input-key / --label-key of the "
+                        "training data); metrics eval/NAME...")
+    g.add_argument("--n-samples-per-eval-prompt", type=int, default=1, metavar="K",
+                   help="responses per evaluation prompt; K > 1 adds eval/NAME/pass@K (default: 1)")
+    g.add_argument("--eval-max-response-len", type=int, metavar="N",
+                   help="max new tokens per evaluation response (default: --rollout-max-response-len)")
+    g.add_argument("--eval-temperature", type=float, default=0.0,
+                   help="evaluation sampling temperature (default: 0, greedy)")
+    g.add_argument("--eval-top-p", type=float, default=1.0, help="evaluation nucleus mass (default: 1.0)")
+
     g = p.add_argument_group("rollout engines")
     g.add_argument("--rollout-backend", choices=BACKENDS, default="local",
                    help="local: miles' engine in process; sglang: servers speaking SGLang's native API (SGLang, or "
@@ -217,6 +231,7 @@ def validate_train_args(args: argparse.Namespace) -> None:
 
     _check_batch_sizes(args)
     _check_cluster_flags(args)
+    _check_eval_flags(args)
     if args.eps_clip_high is None:
         args.eps_clip_high = args.eps_clip
     if args.advantage_estimator in ("grpo", "gspo") and args.n_samples_per_prompt < 2:
@@ -242,6 +257,35 @@ def validate_train_args(args: argparse.Namespace) -> None:
         _require("tensorboard", "--use-tensorboard")
     if args.use_wandb:
         _require("wandb", "--use-wandb")
+
+
+def _check_eval_flags(args: argparse.Namespace) -> None:
+    _positive(args, "eval_interval", "n_samples_per_eval_prompt", "eval_max_response_len")
+    _positive(args, "eval_temperature", allow_zero=True)
+    if not 0 < args.eval_top_p <= 1:
+        raise UsageError(f"--eval-top-p must be in (0, 1] (got {args.eval_top_p})")
+    if args.eval_prompt_data is None:
+        if args.eval_interval is not None:
+            raise UsageError("--eval-interval needs --eval-prompt-data NAME PATH [NAME PATH ...]")
+        return
+    pairs = args.eval_prompt_data
+    if len(pairs) % 2:
+        raise UsageError(f"--eval-prompt-data takes NAME PATH pairs; got {len(pairs)} value(s): {' '.join(pairs)}")
+    names = pairs[0::2]
+    if len(set(names)) != len(names):
+        raise UsageError(f"--eval-prompt-data: each set needs its own name (got {', '.join(names)})")
+    for name in names:
+        if not name.replace("_", "").replace("-", "").isalnum():
+            raise UsageError(f"--eval-prompt-data: the name {name!r} must be letters, digits, - or _ (it names the "
+                             "metric eval/NAME); give NAME PATH pairs")
+    if args.eval_interval is None:
+        raise UsageError("--eval-prompt-data needs --eval-interval N (evaluate before the first step and every N steps)")
+    if args.debug_train_only or args.load_debug_rollout_data is not None:
+        raise UsageError("--eval-prompt-data evaluates through the rollout engine; a --debug-train-only run (or a "
+                         "replay of dumps) has none")
+    if args.async_rollout:
+        raise UsageError("--eval-prompt-data with --async is not supported yet (the engine is generating the next "
+                         "rollout while a step trains)")
 
 
 def _check_batch_sizes(args: argparse.Namespace) -> None:

@@ -45,6 +45,7 @@ PLOTS = [
      [["train/train_rollout_logprob_abs_diff", "forward_logp_max_diff"]], True),
 ]
 SCATTER_TITLE = "Trainer vs engine per-token log-probs"
+EVAL_TITLE = "Evaluation on held-out prompts (mean reward; pass@k)"
 INDEX = "report/index.json"  # what the page holds, for the next report to compare with
 MAX_SCORED_SAMPLES = 64  # of one dump; scoring is a forward pass per sample: keep the report cheap on big models
 
@@ -110,6 +111,11 @@ def draw(run_dir: Path, rows: list[dict], config: dict, args, notes: list[str]) 
             skipped[stem] = reason(notes[first:], title)
         else:
             plots.append(Plot(id=stem, file=f"report/{stem}.png", title=title, caption="", png=png))
+    eval_means = sorted({k for r in rows for k in r if k.startswith("eval/") and k.count("/") == 1})
+    if eval_means:  # --eval-prompt-data: each set's mean reward, and its pass@k where k > 1
+        passes = sorted({k for r in rows for k in r if k.startswith("eval/") and "/pass@" in k})
+        png = line_plot(rows, EVAL_TITLE, [eval_means] + ([passes] if passes else []), False, notes)
+        plots.append(Plot(id="eval", file="report/eval.png", title=EVAL_TITLE, caption="", png=png))
     first = len(notes)
     plot_id, png, caption = logprob_scatter(run_dir, config, args, notes)
     if plot_id != "logprob_scatter":

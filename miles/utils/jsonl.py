@@ -40,8 +40,9 @@ class JsonlAppender:
 
 
 def reconcile(path: str | Path, upto_step: int) -> str | None:
-    """Keeps the rows of steps 1..upto_step (the first of each), moves every other line to
-    `<path>.dropped`; returns a note saying what moved, or None when nothing did."""
+    """Keeps the rows of steps 1..upto_step (the first of each), and step 0's (the evaluation before
+    the first step) when the run resumes after it; moves every other line to `<path>.dropped`;
+    returns a note saying what moved, or None when nothing did."""
     path = Path(path)
     if not path.is_file():
         return None
@@ -49,7 +50,8 @@ def reconcile(path: str | Path, upto_step: int) -> str | None:
     kept, dropped, seen = [], [], set()
     for line in text.splitlines(keepends=True):
         step = _step_of(line)
-        if step is not None and step <= upto_step and step not in seen and line.endswith("\n"):
+        lowest = 0 if upto_step > 0 else 1  # a run starting over makes step 0 again
+        if step is not None and lowest <= step <= upto_step and step not in seen and line.endswith("\n"):
             kept.append(line)
             seen.add(step)
         elif line.strip():
