@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_train import metrics, run
 
 from miles.cli.main import main
 from miles.utils.jsonl import reconcile
-from test_train import metrics, run
 
 
 @pytest.fixture
