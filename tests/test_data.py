@@ -13,6 +13,7 @@ import pytest
 from miles.data.prompts import (
     BUNDLED_INPUT_KEY,
     BUNDLED_LABEL_KEY,
+    BUNDLED_EVAL,
     BUNDLED_TASK,
     MAX_PROMPT_CHARS,
     PromptData,
@@ -561,9 +562,13 @@ def test_bundled_task():
 
 def test_bundled_task_is_reproducible(tmp_path):
     script = Path(__file__).resolve().parent.parent / "scripts" / "make_arithmetic_task.py"
-    out = tmp_path / "a.jsonl"
-    subprocess.run([sys.executable, str(script), "--out", str(out)], check=True, capture_output=True)
-    assert out.read_bytes() == BUNDLED_TASK.read_bytes()
+    out, held = tmp_path / "a.jsonl", tmp_path / "eval.jsonl"
+    subprocess.run([sys.executable, str(script), "--out", str(out), "--eval-out", str(held)], check=True,
+                   capture_output=True)
+    assert out.read_bytes() == BUNDLED_TASK.read_bytes() and held.read_bytes() == BUNDLED_EVAL.read_bytes()
+    operands = lambda path: {tuple(sorted(map(int, re.findall(r"\d+", json.loads(x)["prompt"])[:2])))  # noqa: E731
+                             for x in path.read_text().splitlines()}
+    assert len(operands(held)) == 32 and not operands(held) & operands(out)  # held out: no training problem
 
 
 def test_module_does_not_import_torch():

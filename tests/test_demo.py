@@ -12,11 +12,13 @@ GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "tra
 
 
 def test_demo_recipe(tmp_path):
-    """`miles train` with only the step count shortened: demo model, bundled task, chat template."""
+    """`miles train` with only the step count shortened: demo model, bundled task, chat template, and
+    the held-out problems evaluated before the step and after it."""
     out = tmp_path / "run"
     assert main(["train", "--num-rollout", "1", "--output-dir", str(out)]) == 0
-    row = json.loads((out / "metrics.jsonl").read_text())
-    assert row["step"] == 1
+    before, row = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert before["step"] == 0 and set(before) == {"step", "eval/arith_held_out", "eval/arith_held_out/response_len"}
+    assert row["step"] == 1 and 0 <= row["eval/arith_held_out"] <= 1
     assert 0 <= row["rollout/reward_mean"] <= 1
     assert row["forward_logp_max_diff"] < 1e-4  # fp32 engine vs trainer on a real model
     log = (out / "train.log").read_text()

@@ -58,7 +58,7 @@ def test_greedy_evaluation_repeats_and_one_response_has_no_pass_at_k(tiny_args, 
     (["--eval-prompt-data", "held", "EVAL"], "--eval-prompt-data needs --eval-interval N"),
     (["--eval-interval", "1", "--eval-prompt-data", "a/b", "EVAL"], "the name 'a/b' must be letters"),
     (["--eval-interval", "1", "--eval-prompt-data", "x", "EVAL", "x", "EVAL"], "each set needs its own name"),
-    (["--eval-interval", "0", "--eval-prompt-data", "x", "EVAL"], "--eval-interval"),
+    (["--eval-interval", "-1", "--eval-prompt-data", "x", "EVAL"], "--eval-interval"),
     (["--eval-interval", "1", "--eval-prompt-data", "x", "/nonexistent/held.jsonl"], "/nonexistent/held.jsonl"),
 ])
 def test_bad_evaluation_flags_are_one_error_line(tiny_args, eval_file, capsys, extra, message):
@@ -115,3 +115,26 @@ def test_pass_at_k_counts_prompts_with_any_rewarded_response():
     got = evaluator.evaluate(3)
     assert got["eval/s"] == pytest.approx(1 / 6) and got["eval/s/pass@3"] == 0.5
     assert seen == [eval_seed(5, 3, j) for j in range(6)] and not set(seen) & {sample_seed(5, 3, j) for j in range(6)}
+
+
+def test_the_bundled_task_evaluates_its_held_out_problems_unless_turned_off(tmp_path, monkeypatch):
+    """No --prompt-data: the held-out arithmetic set is evaluated before the first step and after the
+    last; --eval-interval 0 turns that off. (The demo model itself runs in tests/test_demo.py.)"""
+    import argparse
+
+    from miles.cli.train import resolve_data_args
+    from miles.data.prompts import BUNDLED_EVAL
+
+    def resolved(**flags):
+        args = argparse.Namespace(prompt_data=None, input_key=None, label_key=None, apply_chat_template=None,
+                                  rm_type=None, eval_prompt_data=None, eval_interval=None, num_rollout=6,
+                                  load_debug_rollout_data=None, debug_train_only=False, async_rollout=False)
+        vars(args).update(flags)
+        resolve_data_args(args)
+        return args.eval_prompt_data, args.eval_interval
+
+    assert resolved() == (["arith_held_out", str(BUNDLED_EVAL)], 6)
+    assert resolved(eval_interval=2) == (["arith_held_out", str(BUNDLED_EVAL)], 2)
+    assert resolved(eval_interval=0) == (None, None)
+    assert resolved(debug_train_only=True) == (None, None)
+    assert resolved(prompt_data="x.jsonl") == (None, None)

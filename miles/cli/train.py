@@ -7,7 +7,14 @@ import os
 from pathlib import Path
 
 from miles.cli.train_args import add_train_args, validate_train_args
-from miles.data.prompts import BUNDLED_INPUT_KEY, BUNDLED_LABEL_KEY, BUNDLED_TASK, load_prompt_data
+from miles.data.prompts import (
+    BUNDLED_EVAL,
+    BUNDLED_EVAL_NAME,
+    BUNDLED_INPUT_KEY,
+    BUNDLED_LABEL_KEY,
+    BUNDLED_TASK,
+    load_prompt_data,
+)
 from miles.errors import UsageError
 
 
@@ -20,12 +27,20 @@ def register(commands) -> None:
 
 
 def resolve_data_args(args: argparse.Namespace) -> None:
-    """The bundled task when --prompt-data is absent; keys, template and reward to match."""
+    """The bundled task when --prompt-data is absent; keys, template and reward to match, and its
+    held-out problems evaluated before the first step and after the last (unless --eval-* say
+    otherwise; --eval-interval 0 turns evaluation off)."""
     bundled = args.prompt_data is None
     if bundled:
         args.prompt_data = str(BUNDLED_TASK)
         args.input_key = args.input_key or BUNDLED_INPUT_KEY
         args.label_key = args.label_key or BUNDLED_LABEL_KEY
+        replay = args.load_debug_rollout_data is not None or args.debug_train_only
+        if args.eval_prompt_data is None and args.eval_interval != 0 and not replay and not args.async_rollout:
+            args.eval_prompt_data = [BUNDLED_EVAL_NAME, str(BUNDLED_EVAL)]
+            args.eval_interval = args.eval_interval or args.num_rollout
+    if args.eval_interval == 0:
+        args.eval_interval = args.eval_prompt_data = None
     args.input_key = args.input_key or "prompt"
     if args.apply_chat_template is None:
         args.apply_chat_template = bundled

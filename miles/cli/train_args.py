@@ -56,7 +56,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("evaluation (held-out prompts, through the rollout engine; never trained on)")
     g.add_argument("--eval-interval", type=int, metavar="N",
-                   help="evaluate before the first step and after every N steps (needs --eval-prompt-data)")
+                   help="evaluate before the first step and after every N steps (needs --eval-prompt-data; the "
+                        "bundled task evaluates its held-out problems before the first step and after the last "
+                        "by default); 0: no evaluation")
     g.add_argument("--eval-prompt-data", nargs="+", metavar="NAME PATH",
                    help="evaluation sets as NAME PATH pairs (.jsonl or .parquet, the --input-key / --label-key of the "
                         "training data); metrics eval/NAME...")
@@ -260,12 +262,14 @@ def validate_train_args(args: argparse.Namespace) -> None:
 
 
 def _check_eval_flags(args: argparse.Namespace) -> None:
-    _positive(args, "eval_interval", "n_samples_per_eval_prompt", "eval_max_response_len")
-    _positive(args, "eval_temperature", allow_zero=True)
+    _positive(args, "n_samples_per_eval_prompt", "eval_max_response_len")
+    _positive(args, "eval_interval", "eval_temperature", allow_zero=True)  # --eval-interval 0: no evaluation
     if not 0 < args.eval_top_p <= 1:
         raise UsageError(f"--eval-top-p must be in (0, 1] (got {args.eval_top_p})")
+    if args.eval_interval == 0:
+        return
     if args.eval_prompt_data is None:
-        if args.eval_interval is not None:
+        if args.eval_interval is not None and args.prompt_data is not None:  # the bundled task brings its own
             raise UsageError("--eval-interval needs --eval-prompt-data NAME PATH [NAME PATH ...]")
         return
     pairs = args.eval_prompt_data

@@ -33,6 +33,8 @@ from miles.errors import UsageError
 
 # The demo task shipped inside the package (see tasks/README.md), so a first run needs no data.
 BUNDLED_TASK = Path(__file__).resolve().parent / "tasks" / "arithmetic.jsonl"
+BUNDLED_EVAL = Path(__file__).resolve().parent / "tasks" / "arithmetic_eval.jsonl"  # held out from BUNDLED_TASK
+BUNDLED_EVAL_NAME = "arith_held_out"
 BUNDLED_INPUT_KEY = "prompt"
 BUNDLED_LABEL_KEY = "label"
 
