@@ -56,6 +56,12 @@ class RolloutConfig:
     custom_rm_path: str | None
     reward_timeout: float
     """Seconds one sample's reward may take before the run stops with an error naming the function."""
+    dynamic_filter_path: str | None = None
+    """Dynamic sampling: module:function deciding which groups a rollout keeps (None: every group)."""
+    over_sampling_batch_size: int | None = None
+    """Dynamic sampling: prompts generated per round (None: batch_size)."""
+    dynamic_max_rounds: int = 8
+    """Dynamic sampling: rounds of generation a rollout may take to find batch_size kept groups."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,6 +238,8 @@ def build_configs(args: argparse.Namespace) -> Configs:
                         shuffle=a.rollout_shuffle),
         rollout=RolloutConfig(
             batch_size=a.rollout_batch_size, n_samples_per_prompt=a.n_samples_per_prompt,
+            dynamic_filter_path=a.dynamic_sampling_filter_path, over_sampling_batch_size=a.over_sampling_batch_size,
+            dynamic_max_rounds=a.dynamic_sampling_max_rounds,
             sampling=SamplingParams(max_new_tokens=a.rollout_max_response_len, temperature=a.rollout_temperature,
                                     top_p=a.rollout_top_p),
             rm_type=a.rm_type, custom_rm_path=a.custom_rm_path, reward_timeout=a.reward_timeout),

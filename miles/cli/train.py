@@ -95,6 +95,11 @@ def prepare(args: argparse.Namespace):
         from miles.rollout.rewards import get_reward_fn
 
         reward_fn = get_reward_fn(args.rm_type, args.custom_rm_path)
+        if args.dynamic_sampling_filter_path:  # importable and callable, before any model loads
+            from miles.rollout.filters import FLAG
+            from miles.utils.imports import load_function
+
+            load_function(args.dynamic_sampling_filter_path, FLAG)
     # Only now, with every flag and the data checked, pay for torch.
     resolve_device(args)
     return data, reward_fn

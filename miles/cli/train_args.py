@@ -54,6 +54,17 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="seconds one sample's reward may take; a reward that hangs stops the run with an error "
                         "naming it (default: 60)")
 
+    g = p.add_argument_group("dynamic sampling (DAPO): keep only the groups that carry a signal")
+    g.add_argument("--dynamic-sampling-filter-path", metavar="MODULE:FUNCTION",
+                   help="fn(args, samples) -> bool | DynamicFilterOutput, one call per prompt's group; a rollout "
+                        "keeps generating until --rollout-batch-size groups passed (built in: "
+                        "miles.rollout.filters:check_reward_nonzero_std drops groups whose rewards are all equal)")
+    g.add_argument("--over-sampling-batch-size", type=int, metavar="N",
+                   help="prompts generated per round of dynamic sampling (default: --rollout-batch-size)")
+    g.add_argument("--dynamic-sampling-max-rounds", type=int, default=8, metavar="R",
+                   help="rounds a rollout may generate before the run stops saying the filter starves it "
+                        "(default: 8)")
+
     g = p.add_argument_group("evaluation (held-out prompts, through the rollout engine; never trained on)")
     g.add_argument("--eval-interval", type=int, metavar="N",
                    help="evaluate before the first step and after every N steps (needs --eval-prompt-data; the "
@@ -234,6 +245,7 @@ def validate_train_args(args: argparse.Namespace) -> None:
     _check_batch_sizes(args)
     _check_cluster_flags(args)
     _check_eval_flags(args)
+    _check_dynamic_sampling_flags(args)
     if args.eps_clip_high is None:
         args.eps_clip_high = args.eps_clip
     if args.advantage_estimator in ("grpo", "gspo") and args.n_samples_per_prompt < 2:
@@ -259,6 +271,21 @@ def validate_train_args(args: argparse.Namespace) -> None:
         _require("tensorboard", "--use-tensorboard")
     if args.use_wandb:
         _require("wandb", "--use-wandb")
+
+
+def _check_dynamic_sampling_flags(args: argparse.Namespace) -> None:
+    _positive(args, "over_sampling_batch_size", "dynamic_sampling_max_rounds")
+    if args.dynamic_sampling_filter_path is None:
+        if args.over_sampling_batch_size is not None:
+            raise UsageError("--over-sampling-batch-size sizes the rounds of dynamic sampling: it needs "
+                             "--dynamic-sampling-filter-path (e.g. miles.rollout.filters:check_reward_nonzero_std)")
+        return
+    if args.over_sampling_batch_size is not None and args.over_sampling_batch_size < args.rollout_batch_size:
+        raise UsageError(f"--over-sampling-batch-size {args.over_sampling_batch_size} must be at least "
+                         f"--rollout-batch-size {args.rollout_batch_size} (the groups one rollout keeps)")
+    if args.load_debug_rollout_data is not None or args.debug_train_only:
+        raise UsageError("--dynamic-sampling-filter-path filters the groups a rollout generates; a replay of dumps "
+                         "(--load-debug-rollout-data) trains on the groups already kept")
 
 
 def _check_eval_flags(args: argparse.Namespace) -> None:

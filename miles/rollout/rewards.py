@@ -35,12 +35,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import importlib
 import inspect
 import logging
-import os
 import re
-import sys
 import traceback
 from collections.abc import Callable
 from fractions import Fraction
@@ -299,24 +296,9 @@ def _run_sync(awaitable) -> object:
 
 
 def load_custom_reward(path: str) -> RewardFn:
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise UsageError(f"--custom-rm-path must look like module.path:function (got {path!r})")
-    # `python -m` and console scripts differ on whether cwd is importable; users expect it is.
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise UsageError(
-            f"--custom-rm-path {path}: cannot import module {module_name!r} ({e}); "
-            "run from the directory that contains it or add it to PYTHONPATH"
-        ) from e
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise UsageError(f"--custom-rm-path {path}: module {module_name!r} has no {attr!r}")
-    if not callable(fn):
-        raise UsageError(f"--custom-rm-path {path}: {attr!r} is not callable; name a function")
+    from miles.utils.imports import load_function
+
+    fn = load_function(path, "--custom-rm-path")
 
     @functools.wraps(fn)
     def reward(sample: Sample) -> float:

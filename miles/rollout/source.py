@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from typing import Protocol
 
 from miles.bridge.types import RolloutBatch, Sample, Status
 from miles.config import RolloutConfig
 from miles.data.prompts import PromptDataset, PromptRecord, render_prompt
-from miles.errors import UsageError
+from miles.errors import RunFailed, UsageError
 from miles.rollout.engine import Engine
 from miles.rollout.rewards import RewardFn
 from miles.rollout.sampling import sample_seed
@@ -43,14 +44,28 @@ class LiveRollout:
         self.reward_fn = reward_fn
         self.apply_chat_template = apply_chat_template
         self.seed = seed
+        self.keep = None  # dynamic sampling: the group filter, and the second walk its top-up rounds take
+        if cfg.dynamic_filter_path:
+            from miles.rollout.filters import load_filter
+
+            self.keep = load_filter(cfg.dynamic_filter_path, cfg)
+            self.top_up = PromptDataset(dataset.records, shuffle=True, seed=f"{seed}:top-up")
 
     def generate(self, rollout_id: int) -> RolloutBatch:
+        if self.keep is not None:
+            return self._dynamic(rollout_id)
+        samples, outputs, gen_time = self._groups(self.dataset.batch_for(rollout_id, self.cfg.batch_size),
+                                                  rollout_id)
+        return RolloutBatch(samples, self._stats(samples, outputs, gen_time))
+
+    def _groups(self, records: list[PromptRecord], rollout_id: int, first_seed: int = 0):
+        """Each record's group of n rewarded samples (group_index i, index i * n + j); sample k draws from
+        the stream (seed, rollout id, first_seed + k). Returns (samples, engine outputs, seconds)."""
         cfg = self.cfg
-        records = self.dataset.batch_for(rollout_id, cfg.batch_size)
         prompts = [tokenize_prompt(r.prompt, self.tokenizer, self.apply_chat_template) for r in records]
         # Each prompt repeated n times, group by group: sample i answers prompt i // n.
         flat_prompts = [p for p in prompts for _ in range(cfg.n_samples_per_prompt)]
-        seeds = [sample_seed(self.seed, rollout_id, i) for i in range(len(flat_prompts))]
+        seeds = [sample_seed(self.seed, rollout_id, first_seed + i) for i in range(len(flat_prompts))]
 
         start = time.perf_counter()
         with Progress(f"rollout {rollout_id} generating", total=cfg.sampling.max_new_tokens, unit="tokens") as bar:
@@ -77,13 +92,64 @@ class LiveRollout:
             )
             sample.reward = float(self.reward_fn(sample))
             samples.append(sample)
+        return samples, outputs, gen_time
 
-        n_tokens = sum(s.response_length for s in samples)
+    def _stats(self, samples: list[Sample], outputs, gen_time: float) -> dict[str, float]:
+        n_tokens = sum(len(out.token_ids) for out in outputs)
         stats = {"perf/rollout_time_s": gen_time, "perf/rollout_tok_s": n_tokens / max(gen_time, 1e-9)}
         redrawn = [out.redrawn for out in outputs if out.redrawn is not None]
         if redrawn:  # --true-on-policy-mode: tokens re-drawn from the trainer's numbers
             stats["rollout/true_on_policy_redrawn"] = sum(redrawn)
+        return stats
+
+    def _dynamic(self, rollout_id: int) -> RolloutBatch:
+        """Dynamic sampling: rounds of `over_sampling_batch_size` prompts until `batch_size` groups passed
+        the filter. Round 0 takes this rollout's prompts of the data walk (in units of the round size);
+        later rounds top up from a second walk over the data in its own seeded order, so which prompts
+        rollout i sees stays a function of i. The first `batch_size` kept groups train; the surplus goes."""
+        cfg, n = self.cfg, self.cfg.n_samples_per_prompt
+        size = cfg.over_sampling_batch_size or cfg.batch_size
+        kept: list[list[Sample]] = []
+        dropped: Counter[str] = Counter()
+        outputs, gen_time, rounds = [], 0.0, 0
+        while len(kept) < cfg.batch_size:
+            if rounds == cfg.dynamic_max_rounds:
+                raise RunFailed(
+                    f"dynamic sampling starved: rollout {rollout_id} kept {len(kept)} of the {cfg.batch_size} groups "
+                    f"it needs after {rounds} round(s) of {size} prompts ({sum(dropped.values())} dropped by "
+                    f"--dynamic-sampling-filter-path {cfg.dynamic_filter_path}: {_reasons(dropped)}); raise "
+                    "--dynamic-sampling-max-rounds or --over-sampling-batch-size, or check the rewards "
+                    "(`miles inspect-rollout` on a --save-debug-rollout-data dump)")
+            records = (self.dataset.batch_for(rollout_id, size) if rounds == 0 else
+                       self.top_up.batch_for(rollout_id * cfg.dynamic_max_rounds + rounds - 1, size))
+            samples, outs, seconds = self._groups(records, rollout_id, first_seed=rounds * size * n)
+            outputs += outs
+            gen_time += seconds
+            for g in range(len(records)):
+                group = samples[g * n:(g + 1) * n]
+                verdict = self.keep(group)
+                if verdict.keep:
+                    kept.append(group)
+                else:
+                    dropped[verdict.reason or "filtered"] += 1
+            rounds += 1
+        surplus = len(kept) - cfg.batch_size
+        samples = []
+        for g, group in enumerate(kept[:cfg.batch_size]):  # renumbered: the trainer's groups are contiguous
+            for j, s in enumerate(group):
+                s.group_index, s.index = g, g * n + j
+                samples.append(s)
+        logger.info("dynamic sampling: rollout %d kept %d groups in %d round(s) of %d prompts; dropped %d (%s), "
+                    "surplus %d", rollout_id, cfg.batch_size, rounds, size, sum(dropped.values()), _reasons(dropped),
+                    surplus)
+        stats = self._stats(samples, outputs, gen_time)
+        stats.update({"rollout/dynamic_sampling_rounds": rounds, "rollout/dynamic_sampling_dropped_groups":
+                      sum(dropped.values()), "rollout/dynamic_sampling_surplus_groups": surplus})
         return RolloutBatch(samples, stats)
+
+
+def _reasons(dropped: Counter) -> str:
+    return ", ".join(f"{count} x {reason}" for reason, count in dropped.most_common(3)) or "none"
 
 
 def tokenize_prompt(prompt, tokenizer, apply_chat_template: bool) -> list[int]:
