@@ -5,6 +5,7 @@ groups whose rewards are all equal; a filter that starves the rollout stops the 
 from __future__ import annotations
 
 import pytest
+from test_train import metrics, run
 
 from miles.cli.main import main
 from miles.config import RolloutConfig, SamplingParams
@@ -13,7 +14,6 @@ from miles.errors import RunFailed
 from miles.rollout.engine import GenerationOutput
 from miles.rollout.source import LiveRollout
 from miles.testing.tiny import build_tokenizer
-from test_train import metrics, run
 
 FILTER = "miles.rollout.filters:check_reward_nonzero_std"
 

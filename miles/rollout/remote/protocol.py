@@ -55,7 +55,7 @@ def decode_routes(value: Any, *, tokens: int, top_k: int, npy: bool = False):
     try:
         raw = base64.b64decode(value.encode("ascii"), validate=True)
         routes = np.load(io.BytesIO(raw), allow_pickle=False) if npy else np.frombuffer(raw, dtype=np.int32)
-    except Exception as e:  # binascii.Error, ValueError from a bad .npy header
+    except (ValueError, EOFError, OSError) as e:  # binascii.Error is a ValueError; a bad .npy header too
         raise Garbage(f"routed_experts does not decode ({type(e).__name__}: {e})") from None
     if not npy:
         per_token = routes.size // tokens if tokens else 0

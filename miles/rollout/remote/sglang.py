@@ -26,7 +26,12 @@ import httpx
 from miles.config import SamplingParams
 from miles.rollout.engine import GenerationOutput
 from miles.rollout.remote.http import EngineError, ServerClient
-from miles.rollout.remote.protocol import Garbage, checked_output, decode_routes, version_number
+from miles.rollout.remote.protocol import (
+    Garbage,
+    checked_output,
+    decode_routes,
+    version_number,
+)
 
 FLAG = "--sglang-url"
 _FINISH = {"stop": "stop", "length": "length"}
