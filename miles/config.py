@@ -56,6 +56,8 @@ class RolloutConfig:
     custom_rm_path: str | None
     reward_timeout: float
     """Seconds one sample's reward may take before the run stops with an error naming the function."""
+    custom_generate_path: str | None = None
+    """module:function of an async generate(client, sample, sampling) -> Sample (multi-turn, tools)."""
     dynamic_filter_path: str | None = None
     """Dynamic sampling: module:function deciding which groups a rollout keeps (None: every group)."""
     over_sampling_batch_size: int | None = None
@@ -238,7 +240,7 @@ def build_configs(args: argparse.Namespace) -> Configs:
                         shuffle=a.rollout_shuffle),
         rollout=RolloutConfig(
             batch_size=a.rollout_batch_size, n_samples_per_prompt=a.n_samples_per_prompt,
-            dynamic_filter_path=a.dynamic_sampling_filter_path, over_sampling_batch_size=a.over_sampling_batch_size,
+            custom_generate_path=a.custom_generate_function_path, dynamic_filter_path=a.dynamic_sampling_filter_path, over_sampling_batch_size=a.over_sampling_batch_size,
             dynamic_max_rounds=a.dynamic_sampling_max_rounds,
             sampling=SamplingParams(max_new_tokens=a.rollout_max_response_len, temperature=a.rollout_temperature,
                                     top_p=a.rollout_top_p),

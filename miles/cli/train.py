@@ -95,6 +95,10 @@ def prepare(args: argparse.Namespace):
         from miles.rollout.rewards import get_reward_fn
 
         reward_fn = get_reward_fn(args.rm_type, args.custom_rm_path)
+        if args.custom_generate_function_path:  # importable and async, before any model loads
+            from miles.rollout.custom_generate import load_generate
+
+            load_generate(args.custom_generate_function_path)
         if args.dynamic_sampling_filter_path:  # importable and callable, before any model loads
             from miles.rollout.filters import FLAG
             from miles.utils.imports import load_function

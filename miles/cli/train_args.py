@@ -54,6 +54,11 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="seconds one sample's reward may take; a reward that hangs stops the run with an error "
                         "naming it (default: 60)")
 
+    g.add_argument("--custom-generate-function-path", metavar="MODULE:FUNCTION",
+                   help="async fn(client, sample, sampling) -> Sample that makes each sample itself: several engine "
+                        "calls (multi-turn, tools), loss_mask 0 on tokens the policy did not produce (example: "
+                        "miles.rollout.examples.calculator:generate)")
+
     g = p.add_argument_group("dynamic sampling (DAPO): keep only the groups that carry a signal")
     g.add_argument("--dynamic-sampling-filter-path", metavar="MODULE:FUNCTION",
                    help="fn(args, samples) -> bool | DynamicFilterOutput, one call per prompt's group; a rollout "

@@ -20,7 +20,7 @@ from miles.bridge.types import RolloutBatch, Sample, Status
 from miles.config import RolloutConfig
 from miles.data.prompts import PromptDataset, PromptRecord, render_prompt
 from miles.errors import RunFailed, UsageError
-from miles.rollout.engine import Engine
+from miles.rollout.engine import Engine, GenerationOutput
 from miles.rollout.rewards import RewardFn
 from miles.rollout.sampling import sample_seed
 from miles.utils.progress import Progress
@@ -44,6 +44,11 @@ class LiveRollout:
         self.reward_fn = reward_fn
         self.apply_chat_template = apply_chat_template
         self.seed = seed
+        self.generate_fn = None  # --custom-generate-function-path: async fn(client, sample, sampling) -> Sample
+        if cfg.custom_generate_path:
+            from miles.rollout.custom_generate import load_generate
+
+            self.generate_fn = load_generate(cfg.custom_generate_path)
         self.keep = None  # dynamic sampling: the group filter, and the second walk its top-up rounds take
         if cfg.dynamic_filter_path:
             from miles.rollout.filters import load_filter
@@ -58,6 +63,21 @@ class LiveRollout:
                                                   rollout_id)
         return RolloutBatch(samples, self._stats(samples, outputs, gen_time))
 
+    def _custom(self, records: list[PromptRecord], flat_prompts: list[list[int]], seeds: list[int]) -> list[Sample]:
+        """--custom-generate-function-path: each prompt sample through the user's function."""
+        from miles.rollout.custom_generate import run_custom
+
+        n = self.cfg.n_samples_per_prompt
+        prompts = [Sample(group_index=i // n, index=i, prompt=records[i // n].prompt, tokens=list(p),
+                          label=records[i // n].label, metadata=dict(records[i // n].metadata))
+                   for i, p in enumerate(flat_prompts)]
+        finished = run_custom(self.generate_fn, self.cfg.custom_generate_path, self.engine, self.tokenizer, prompts,
+                              seeds, self.cfg.sampling, one_at_a_time=not hasattr(self.engine, "servers"))
+        for i, s in enumerate(finished):  # the function owns the response; the batch owns the numbering
+            s.group_index, s.index = i // n, i
+            s.response = s.response or self.tokenizer.decode(s.response_tokens, skip_special_tokens=True)
+        return finished
+
     def _groups(self, records: list[PromptRecord], rollout_id: int, first_seed: int = 0):
         """Each record's group of n rewarded samples (group_index i, index i * n + j); sample k draws from
         the stream (seed, rollout id, first_seed + k). Returns (samples, engine outputs, seconds)."""
@@ -68,6 +88,12 @@ class LiveRollout:
         seeds = [sample_seed(self.seed, rollout_id, first_seed + i) for i in range(len(flat_prompts))]
 
         start = time.perf_counter()
+        if self.generate_fn is not None:
+            samples = self._custom(records, flat_prompts, seeds)
+            for sample in samples:
+                sample.reward = float(self.reward_fn(sample))
+            return samples, [GenerationOutput(s.response_tokens, [], "stop") for s in samples], \
+                time.perf_counter() - start
         with Progress(f"rollout {rollout_id} generating", total=cfg.sampling.max_new_tokens, unit="tokens") as bar:
             outputs = self.engine.generate(flat_prompts, cfg.sampling, seeds, progress=bar.update_to)
         gen_time = time.perf_counter() - start

@@ -1,0 +1,1 @@
+"""Bundled examples of miles' plug-in points (`--custom-generate-function-path`)."""
