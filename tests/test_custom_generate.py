@@ -106,3 +106,19 @@ def test_the_calculator_example_masks_its_tool_turn():
     assert text == "<calc>19+23</calc><result>42</result>42"
     masked = tok.decode([t for t, m in zip(done.tokens[len(prompt):], done.loss_mask) if m == 0])
     assert masked == "<result>42</result>" and len(done.rollout_log_probs) == done.response_length
+
+
+def test_inspect_rollout_shows_the_masked_spans(tiny_args, tiny_model, tmp_path, capsys):
+    """The table counts each sample's masked tokens; one sample's view lists its turns, the masked
+    span's text, and `masked` instead of a masked token's placeholder log-prob (-50 here)."""
+    run(tiny_args, "--custom-generate-function-path", "miles.testing.generate:two_turns_other_masked_log_probs",
+        "--num-rollout", "1", "--save-debug-rollout-data", str(tmp_path / "d" / "{rollout_id}.pt"))
+    dump = str(tmp_path / "d" / "0.pt")
+    capsys.readouterr()
+    assert main(["inspect-rollout", dump]) == 0
+    table = capsys.readouterr().out
+    assert "masked" in table.splitlines()[2] and "-50" not in table
+    assert main(["inspect-rollout", dump, "--sample", "1", "--tokenizer", str(tiny_model)]) == 0
+    view = capsys.readouterr().out
+    assert "| masked " in view and "'<result>42</result>'" in view and "| policy " in view
+    assert "masked    n/a    0  '<'" in view and "-50" not in view

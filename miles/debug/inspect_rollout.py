@@ -89,14 +89,28 @@ def sample_row(s) -> dict:
     lp = s.rollout_log_probs
     return {"index": s.index, "group": s.group_index, "reward": s.reward, "prompt_len": s.prompt_length,
             "response_len": s.response_length, "status": s.status,
-            "logp_mean": mean_rollout_log_prob([s]), "logp_min": min(lp) if lp else None,
-            "response": s.response}
+            "logp_mean": mean_rollout_log_prob([s]),
+            "logp_min": min((x for x, m in zip(lp, s.loss_mask) if m), default=None) if lp else None,
+            "masked": s.response_length - sum(s.loss_mask[:s.response_length]), "response": s.response}
+
+
+def spans(loss_mask: list[int]) -> list[tuple[str, int, int]]:
+    """The response's runs of policy tokens (mask 1) and masked ones (mask 0: tool or environment
+    output, not trained on), as (kind, first, last) positions."""
+    out: list[tuple[str, int, int]] = []
+    for i, m in enumerate(loss_mask):
+        kind = "policy" if m else "masked"
+        if out and out[-1][0] == kind:
+            out[-1] = (kind, out[-1][1], i)
+        else:
+            out.append((kind, i, i))
+    return out
 
 
 def summarize(samples, n_per_prompt: int) -> dict:
     rewards = [s.reward for s in samples]
     lengths = [s.response_length for s in samples]
-    log_probs = [lp for s in samples for lp in s.rollout_log_probs]
+    log_probs = [lp for s in samples for lp, m in zip(s.rollout_log_probs, s.loss_mask) if m]  # not placeholders
     groups: dict[int, list[float]] = {}
     for s in samples:
         groups.setdefault(s.group_index, []).append(s.reward)
@@ -132,14 +146,18 @@ def print_table(path, payload, metadata, samples, summary) -> None:
         console.width = 160
     title = f"{path}  rollout {payload.get('rollout_id')}  ({payload.get('format', 'slime/Miles format')})"
     table = Table(title=Text(title), title_justify="left")
-    for col in ("idx", "group", "reward", "prompt", "resp", "status", "logp mean", "logp min", "response"):
+    multi_turn = any(sample_row(s)["masked"] for s in samples)  # custom generation: show the masked tokens
+    columns = ("idx", "group", "reward", "prompt", "resp") + (("masked",) if multi_turn else ()) + \
+        ("status", "logp mean", "logp min", "response")
+    for col in columns:
         table.add_column(col, justify="right" if col not in ("status", "response") else "left",
                          overflow="ellipsis", no_wrap=True, max_width=60 if col == "response" else None)
     for s in samples:
         r = sample_row(s)
+        masked = (str(r["masked"]),) if multi_turn else ()
         table.add_row(str(r["index"]), str(r["group"]), f"{r['reward']:.3f}", str(r["prompt_len"]),
-                      str(r["response_len"]), Text(_safe(r["status"])), _fmt(r["logp_mean"]), _fmt(r["logp_min"]),
-                      Text(_safe(" ".join(s.response.split()))))
+                      str(r["response_len"]), *masked, Text(_safe(r["status"])), _fmt(r["logp_mean"]),
+                      _fmt(r["logp_min"]), Text(_safe(" ".join(s.response.split()))))
     console.print(table)
     sm = summary
     console.print(
@@ -173,10 +191,15 @@ def show_sample(s, metadata: dict, args: argparse.Namespace) -> int:
           f"status {_safe(s.status)}")
     print(f"prompt ({s.prompt_length} tokens): {_safe(str(prompt_text(s.prompt)))}")
     print(f"response ({s.response_length} tokens): {_safe(s.response)}")
+    runs = spans(s.loss_mask)
+    if any(kind == "masked" for kind, _, _ in runs):  # a multi-turn sample: which tokens the policy made
+        print("turns: " + " | ".join(f"{kind} {a}-{b}" + (f" {''.join(p or '' for p in pieces[a:b + 1])!r}"
+                                                          if kind == "masked" and any(pieces[a:b + 1]) else "")
+                                     for kind, a, b in runs))
     print(f"{'pos':>4} {'token':>7} {'logp':>9} {'p':>6} mask  text")
     for i, t in enumerate(tokens):
-        lp = t["logp"]
-        print(f"{i:>4} {t['id']:>7} {_fmt(lp):>9} {_prob(lp):>6} "
+        lp = t["logp"] if t["loss_mask"] else None  # a masked token's log-prob is a placeholder
+        print(f"{i:>4} {t['id']:>7} {_fmt(lp) if t['loss_mask'] else 'masked':>9} {_prob(lp):>6} "
               f"{t['loss_mask']:>4}  {t['text']!r}")
     return 0
 
