@@ -138,3 +138,16 @@ def test_the_bundled_task_evaluates_its_held_out_problems_unless_turned_off(tmp_
     assert resolved(eval_interval=0) == (None, None)
     assert resolved(debug_train_only=True) == (None, None)
     assert resolved(prompt_data="x.jsonl") == (None, None)
+
+
+def test_evaluation_and_custom_generation_go_through_servers(tiny_args, tmp_path, eval_file):
+    """--rollout-backend sglang (miles serve, started by miles): the evaluation and a two-turn custom
+    generation both run on the server."""
+    out = run(tiny_args, "--num-rollout", "1", "--rollout-backend", "sglang", "--sglang-log-dir",
+              str(tmp_path / "servers"), "--eval-interval", "1", "--eval-prompt-data", "held", str(eval_file),
+              "--custom-generate-function-path", "miles.testing.generate:two_turns",
+              "--save-debug-rollout-data", str(tmp_path / "d" / "{rollout_id}.pt"))
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [0, 1] and "eval/held" in rows[0] and "eval/held" in rows[1]
+    samples = torch.load(tmp_path / "d" / "0.pt", weights_only=True)["samples"]
+    assert all(0 in s["loss_mask"] for s in samples)
