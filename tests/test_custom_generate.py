@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_train import metrics, run
 
 from miles.cli.main import main
 from miles.rollout.examples.calculator import calculate
-from test_train import metrics, run
 
 TWO_TURNS = "miles.testing.generate:two_turns"
 

@@ -12,12 +12,12 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from test_serve import ServeProcess
+from test_train import metrics, run
 
 from miles.bridge import routing
 from miles.rollout.remote.protocol import Garbage, decode_routes
 from miles.testing.tiny import build_moe_model_dir, train_args
-from test_serve import ServeProcess
-from test_train import metrics, run
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def test_a_vllm_answer_s_npy_routes_decode():
 def test_vllm_on_a_gpu_is_started_with_routed_experts_for_an_moe_model():
     from miles.rollout.remote.launcher import server_command
 
-    common = dict(precision="bf16", seed=0, max_model_len=128, python="/usr/bin/python3", weight_version=0)
+    common = {"precision": "bf16", "seed": 0, "max_model_len": 128, "python": "/usr/bin/python3", "weight_version": 0}
     gpu, env = server_command("vllm", "/m", 1, device="cuda", moe=True, **common)
     assert "--enable-return-routed-experts" in gpu and env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
     cpu, env = server_command("vllm", "/m", 1, device="cpu", moe=True, **common)
