@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import re
+import shutil
 
 import httpx
 import pytest
@@ -44,7 +45,8 @@ def syncs(out) -> list[str]:
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("vllm") / "run"
     assert main(demo_args(out, "--alignment-check", "error")) == 0
-    return out
+    yield out
+    shutil.rmtree(out, ignore_errors=True)  # ~3 GB of checkpoints and engine weights: not kept to the session's end
 
 
 def test_two_steps_through_vllm_with_verified_weight_sync(trained):
