@@ -151,3 +151,12 @@ def test_evaluation_and_custom_generation_go_through_servers(tiny_args, tmp_path
     assert [r["step"] for r in rows] == [0, 1] and "eval/held" in rows[0] and "eval/held" in rows[1]
     samples = torch.load(tmp_path / "d" / "0.pt", weights_only=True)["samples"]
     assert all(0 in s["loss_mask"] for s in samples)
+
+
+def test_evaluation_sees_the_weights_the_step_made(tiny_args, tmp_path, eval_file):
+    """A large learning rate moves the greedy answers at once: the evaluation after step 1 differs from
+    step 0's, so it ran on the weights synced after the step, not the engine's old ones."""
+    out = run(tiny_args, "--num-rollout", "1", "--lr", "3e-2", "--eval-interval", "1", "--eval-prompt-data", "held",
+              str(eval_file), "--output-dir", str(tmp_path / "r"))
+    before, after = metrics(out)
+    assert before["eval/held"] != after["eval/held"]
