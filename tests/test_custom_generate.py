@@ -122,3 +122,30 @@ def test_inspect_rollout_shows_the_masked_spans(tiny_args, tiny_model, tmp_path,
     view = capsys.readouterr().out
     assert "| masked " in view and "'<result>42</result>'" in view and "| policy " in view
     assert "masked    n/a    0  '<'" in view and "-50" not in view
+
+
+def test_the_local_engine_gets_each_turn_of_every_sample_as_one_batch():
+    """Six samples, two turns each: two engine calls of six sequences (the sampling setup is the same),
+    each sample's calls with its own seeds."""
+    from miles.bridge.types import Sample
+    from miles.config import SamplingParams
+    from miles.rollout.custom_generate import Batcher, run_custom
+    from miles.rollout.engine import GenerationOutput
+    from miles.testing.generate import two_turns
+    from miles.testing.tiny import build_tokenizer
+
+    seeds_seen = []
+
+    class Engine:
+        def generate(self, prompts, sampling, seeds, progress=None):
+            seeds_seen.extend(seeds)
+            return [GenerationOutput([7, 8], [-0.1, -0.2], "length") for _ in prompts]
+
+    engine = Engine()
+    batcher = Batcher(engine)
+    samples = [Sample(group_index=0, index=i, prompt="", tokens=[5, 6 + i]) for i in range(6)]
+    done = run_custom(two_turns, "miles.testing.generate:two_turns", engine, build_tokenizer(), samples,
+                      list(range(100, 106)), SamplingParams(max_new_tokens=4, temperature=1.0, top_p=1.0),
+                      batched=True, batcher=batcher)
+    assert batcher.calls == [6, 6] and len(set(seeds_seen)) == 12
+    assert all(s.loss_mask.count(0) > 0 and s.tokens[:2] == [5, 6 + s.index] for s in done)

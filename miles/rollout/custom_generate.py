@@ -17,8 +17,10 @@ mismatch metrics and the alignment check, as every consumer weighs tokens by `lo
 reward is computed afterwards, as for any sample. What comes back is checked (`check_finished`):
 a wrong length or a changed prompt is one `error:` line naming the function.
 
-Calls go to the engine one at a time with the local engine (it is not thread-safe) and concurrently
-through servers. The bundled example: miles.rollout.examples.calculator:generate.
+With the local engine, the calls the samples make at the same time are batched into one
+`generate` (per sampling setup): a two-turn rollout of N samples is two engine calls, not 2N.
+Through servers each call is its own request, made concurrently. The bundled example:
+miles.rollout.examples.calculator:generate.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import inspect
-import threading
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -38,25 +40,55 @@ from miles.rollout.engine import Engine, GenerationOutput
 FLAG = "--custom-generate-function-path"
 
 
+class Batcher:
+    """Gathers the calls that the samples' coroutines make before any of them can go on, and runs them
+    as one `engine.generate` per sampling setup, in the event loop's thread (the local engine)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.pending: list[tuple[list[int], SamplingParams, int, asyncio.Future]] = []
+        self.calls: list[int] = []  # the batch size of each engine call made
+
+    async def generate(self, tokens: list[int], sampling: SamplingParams, seed: int) -> GenerationOutput:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if not self.pending:  # after the coroutines ready now have made their calls
+            loop.call_soon(self._flush)
+        self.pending.append((tokens, sampling, seed, future))
+        return await future
+
+    def _flush(self) -> None:
+        pending, self.pending = self.pending, []
+        by_sampling = defaultdict(list)
+        for item in pending:
+            by_sampling[item[1]].append(item)
+        for sampling, items in by_sampling.items():
+            self.calls.append(len(items))
+            try:
+                outputs = self.engine.generate([list(t) for t, _, _, _ in items], sampling, [s for _, _, s, _ in items])
+            # A stop signal too: a callback must not raise, so every caller of the batch gets the error.
+            except BaseException as e:  # noqa: BLE001
+                for *_, future in items:
+                    future.set_exception(e)
+                continue
+            for (*_, future), out in zip(items, outputs):
+                future.set_result(out)
+
+
 class EngineClient:
     """One sample's handle on the rollout engine."""
 
-    def __init__(self, engine: Engine, sampling: SamplingParams, seed: int, tokenizer, lock: threading.Lock | None):
-        self.engine, self.sampling, self.seed, self.tokenizer, self._lock = engine, sampling, seed, tokenizer, lock
+    def __init__(self, engine: Engine, sampling: SamplingParams, seed: int, tokenizer, batcher: Batcher | None):
+        self.engine, self.sampling, self.seed, self.tokenizer, self._batcher = engine, sampling, seed, tokenizer, batcher
         self.calls = 0
 
     async def generate(self, tokens: list[int], max_new_tokens: int | None = None) -> GenerationOutput:
         sampling = self.sampling if max_new_tokens is None else replace(self.sampling, max_new_tokens=max_new_tokens)
         seed = self.seed if self.calls == 0 else _call_seed(self.seed, self.calls)
         self.calls += 1
-
-        def run() -> GenerationOutput:
-            if self._lock is None:
-                return self.engine.generate([list(tokens)], sampling, [seed])[0]
-            with self._lock:
-                return self.engine.generate([list(tokens)], sampling, [seed])[0]
-
-        return await asyncio.to_thread(run)
+        if self._batcher is not None:
+            return await self._batcher.generate(list(tokens), sampling, seed)
+        return await asyncio.to_thread(lambda: self.engine.generate([list(tokens)], sampling, [seed])[0])
 
 
 def _call_seed(seed: int, call: int) -> int:
@@ -75,14 +107,15 @@ def load_generate(path: str) -> Callable:
 
 
 def run_custom(fn: Callable, path: str, engine: Engine, tokenizer, samples: list[Sample], seeds: list[int],
-               sampling: SamplingParams, *, one_at_a_time: bool) -> list[Sample]:
-    """Each prompt sample through `fn`, concurrently; the finished samples, checked, in order."""
-    lock = threading.Lock() if one_at_a_time else None
+               sampling: SamplingParams, *, batched: bool, batcher: Batcher | None = None) -> list[Sample]:
+    """Each prompt sample through `fn`, concurrently; the finished samples, checked, in order.
+    `batched` (the local engine): concurrent calls share one engine call (`batcher`, or a new one)."""
+    batcher = batcher or (Batcher(engine) if batched else None)
 
     async def one(sample: Sample, seed: int) -> Sample:
         prompt = list(sample.tokens)
         try:
-            out = await fn(EngineClient(engine, sampling, seed, tokenizer, lock), sample, sampling)
+            out = await fn(EngineClient(engine, sampling, seed, tokenizer, batcher), sample, sampling)
         except UsageError:
             raise
         except Exception as e:  # the user's function failed: say where, in one line

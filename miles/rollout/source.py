@@ -72,7 +72,7 @@ class LiveRollout:
                           label=records[i // n].label, metadata=dict(records[i // n].metadata))
                    for i, p in enumerate(flat_prompts)]
         finished = run_custom(self.generate_fn, self.cfg.custom_generate_path, self.engine, self.tokenizer, prompts,
-                              seeds, self.cfg.sampling, one_at_a_time=not hasattr(self.engine, "servers"))
+                              seeds, self.cfg.sampling, batched=not hasattr(self.engine, "servers"))
         for i, s in enumerate(finished):  # the function owns the response; the batch owns the numbering
             s.group_index, s.index = i // n, i
             s.response = s.response or self.tokenizer.decode(s.response_tokens, skip_special_tokens=True)
