@@ -302,8 +302,8 @@ def build_components(cfg: Configs, data: PromptData | None, reward_fn: RewardFn 
                               launch=cluster.launch_engines if cluster and cluster.placement.engines else None)
         name = f"--custom-rm-path {cfg.rollout.custom_rm_path}" if cfg.rollout.custom_rm_path else \
             f"--rm-type {cfg.rollout.rm_type}"
-        source = LiveRollout(cfg.rollout, engine, tokenizer, dataset,
-                             guarded_reward(reward_fn, name, cfg.rollout.reward_timeout),
+        reward_fn = guarded_reward(reward_fn, name, cfg.rollout.reward_timeout)  # the rollouts' and the evaluation's
+        source = LiveRollout(cfg.rollout, engine, tokenizer, dataset, reward_fn,
                              apply_chat_template=cfg.data.apply_chat_template, seed=run.seed)
         if cfg.cluster.async_rollout:
             if isinstance(engine, LocalEngine) and cluster is not None:
@@ -358,26 +358,25 @@ def build_components(cfg: Configs, data: PromptData | None, reward_fn: RewardFn 
 
 def build_evaluator(cfg: Configs, engine: Engine | None, tokenizer, reward_fn: RewardFn | None,
                     base: Path) -> Evaluator | None:
-    """--eval-prompt-data's sets, each prompt checked to fit the model as the training prompts are."""
+    """--eval-prompt-data's sets, each prompt checked to fit the model as the training prompts are;
+    `reward_fn` is the rollouts' (guarded)."""
     if cfg.eval.interval is None or engine is None:
         return None
     from miles.data.prompts import load_prompt_data
 
     sets = []
+    room = _max_positions(base) - cfg.eval.sampling.max_new_tokens
     for name, path in cfg.eval.datasets:
         data = load_prompt_data(path, cfg.data.input_key, cfg.data.label_key,
                                 scalar_labels=cfg.rollout.custom_rm_path is None)
         records = drop_long_prompts(data.records, tokenizer, apply_chat_template=cfg.data.apply_chat_template,
-                                    max_prompt_len=cfg.data.max_prompt_len,
-                                    max_positions=_max_positions(base) - cfg.eval.sampling.max_new_tokens)
+                                    max_prompt_len=cfg.data.max_prompt_len, max_positions=room)
         sets.append(EvalSet(name, records))
         logger.info("eval set %s: %d prompts from %s, %d response(s) each, temperature %g, every %d step(s)", name,
                     len(records), path, cfg.eval.n_samples_per_prompt, cfg.eval.sampling.temperature,
                     cfg.eval.interval)
-    name = f"--custom-rm-path {cfg.rollout.custom_rm_path}" if cfg.rollout.custom_rm_path else \
-        f"--rm-type {cfg.rollout.rm_type}"
-    return Evaluator(cfg.eval, sets, engine, tokenizer, guarded_reward(reward_fn, name, cfg.rollout.reward_timeout),
-                     apply_chat_template=cfg.data.apply_chat_template, seed=cfg.run.seed)
+    return Evaluator(cfg.eval, sets, engine, tokenizer, reward_fn, apply_chat_template=cfg.data.apply_chat_template,
+                     seed=cfg.run.seed)
 
 
 def resume_point(cfg: Configs, config: dict) -> tuple[Path | None, dict | None]:

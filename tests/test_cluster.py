@@ -233,15 +233,15 @@ def test_mem_fraction_reaches_the_servers_miles_starts(tiny_args, tmp_path):
     assert "mem_fraction 0.4 is for GPU servers" in (tmp_path / "run" / "train.log").read_text()
 
 
-def test_supervisor_names_the_failure_and_logs_the_stuck_workers_stack():
-    """One worker fails, another hangs: the error names the first, and the stuck one's Python stack
-    (where it hangs) is logged, within the grace period rather than never."""
+@pytest.fixture
+def stand_in_ranks():
+    """Two FailOrHang actors on a real local Ray cluster as "trainer rank 0/1", and the messages the
+    `miles` logger gets meanwhile; the cluster and the log handler go at the end."""
     import logging
 
     import ray
 
-    from miles.cluster.supervisor import Supervisor, Worker
-    from miles.errors import WorkerCrashed
+    from miles.cluster.supervisor import Worker
     from miles.testing.workers import FailOrHang
 
     records: list[str] = []
@@ -251,55 +251,48 @@ def test_supervisor_names_the_failure_and_logs_the_stuck_workers_stack():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         actor = ray.remote(max_concurrency=2)(FailOrHang)
-        workers = [Worker(f"trainer rank {i}", actor.remote(), {"node_ip": "10.0.0.1", "host": "h", "pid": i})
-                   for i in range(2)]
-        supervisor = Supervisor(ray, grace=2.0)
-        refs = [workers[0].actor.call.remote("fail"), workers[1].actor.call.remote("hang")]
-        start = time.monotonic()
-        with pytest.raises(WorkerCrashed) as e:
-            supervisor.wait(workers, refs, what="train")
-        assert time.monotonic() - start < 30
+        yield ray, [Worker(f"trainer rank {i}", actor.remote(), {"node_ip": "10.0.0.1", "host": "h", "pid": i})
+                    for i in range(2)], records
     finally:
         ray.shutdown()
         logging.getLogger("miles").removeHandler(handler)
+
+
+def test_supervisor_names_the_failure_and_logs_the_stuck_workers_stack(stand_in_ranks):
+    """One worker fails, another hangs: the error names the first, and the stuck one's Python stack
+    (where it hangs) is logged, within the grace period rather than never."""
+    from miles.cluster.supervisor import Supervisor
+    from miles.errors import WorkerCrashed
+
+    ray, workers, records = stand_in_ranks
+    supervisor = Supervisor(ray, grace=2.0)
+    refs = [workers[0].actor.call.remote("fail"), workers[1].actor.call.remote("hang")]
+    start = time.monotonic()
+    with pytest.raises(WorkerCrashed) as e:
+        supervisor.wait(workers, refs, what="train")
+    assert time.monotonic() - start < 30
     assert "WorkerCrashed: trainer rank 0 on node 10.0.0.1 (h), pid 0 failed during train" in str(e.value)
     assert "RuntimeError: this rank failed first" in str(e.value)
     stuck = [m for m in records if "trainer rank 1 had not finished train" in m]
     assert stuck and "in call" in stuck[0] and "time.sleep(0.1)" in stuck[0], records
 
 
-def test_supervisor_bounds_a_worker_stuck_after_its_peers_returned():
+def test_supervisor_bounds_a_worker_stuck_after_its_peers_returned(stand_in_ranks):
     """No worker fails, one never returns (a stopped rank in a call with no collective): past `stall`
     seconds after its peer returned it is named stuck, with its stack; an `uneven` call (rank 0
     writes alone) is not bounded that way, so a slow worker there still returns."""
-    import logging
-
-    import ray
-
-    from miles.cluster.supervisor import Supervisor, Worker
+    from miles.cluster.supervisor import Supervisor
     from miles.errors import WorkerCrashed
-    from miles.testing.workers import FailOrHang
 
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())
-    logging.getLogger("miles").addHandler(handler)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        actor = ray.remote(max_concurrency=2)(FailOrHang)
-        workers = [Worker(f"trainer rank {i}", actor.remote(), {"node_ip": "10.0.0.1", "host": "h", "pid": i})
-                   for i in range(2)]
-        supervisor = Supervisor(ray, grace=2.0, stall=2.0)
-        refs = [workers[0].actor.call.remote("finish"), workers[1].actor.call.remote("hang")]
-        start = time.monotonic()
-        with pytest.raises(WorkerCrashed) as e:
-            supervisor.wait(workers, refs, what="rng_state")
-        assert time.monotonic() - start < 30
-        refs = [workers[0].actor.call.remote("finish"), workers[1].actor.call.remote("slow")]
-        assert supervisor.wait(workers, refs, what="save", uneven=True) == ["done", "slow"]
-    finally:
-        ray.shutdown()
-        logging.getLogger("miles").removeHandler(handler)
+    ray, workers, records = stand_in_ranks
+    supervisor = Supervisor(ray, grace=2.0, stall=2.0)
+    refs = [workers[0].actor.call.remote("finish"), workers[1].actor.call.remote("hang")]
+    start = time.monotonic()
+    with pytest.raises(WorkerCrashed) as e:
+        supervisor.wait(workers, refs, what="rng_state")
+    assert time.monotonic() - start < 30
+    refs = [workers[0].actor.call.remote("finish"), workers[1].actor.call.remote("slow")]
+    assert supervisor.wait(workers, refs, what="save", uneven=True) == ["done", "slow"]
     assert str(e.value).startswith("WorkerCrashed: trainer rank 1 did not finish rng_state within 2 s of its peers")
     assert str(e.value).endswith("still running (stuck; stacks in the log): trainer rank 1")
     stuck = [m for m in records if "trainer rank 1 had not finished rng_state 2 s after its peers returned" in m]

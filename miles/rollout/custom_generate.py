@@ -26,7 +26,6 @@ miles.rollout.examples.calculator:generate.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import inspect
 from collections import defaultdict
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from miles.bridge.types import Sample
 from miles.config import SamplingParams
 from miles.errors import UsageError
 from miles.rollout.engine import Engine, GenerationOutput
+from miles.rollout.sampling import derived_seed
 
 FLAG = "--custom-generate-function-path"
 
@@ -84,16 +84,11 @@ class EngineClient:
 
     async def generate(self, tokens: list[int], max_new_tokens: int | None = None) -> GenerationOutput:
         sampling = self.sampling if max_new_tokens is None else replace(self.sampling, max_new_tokens=max_new_tokens)
-        seed = self.seed if self.calls == 0 else _call_seed(self.seed, self.calls)
+        seed = self.seed if self.calls == 0 else derived_seed("turn", self.seed, self.calls)
         self.calls += 1
         if self._batcher is not None:
             return await self._batcher.generate(list(tokens), sampling, seed)
         return await asyncio.to_thread(lambda: self.engine.generate([list(tokens)], sampling, [seed])[0])
-
-
-def _call_seed(seed: int, call: int) -> int:
-    digest = hashlib.sha256(f"miles:turn:{seed}:{call}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def load_generate(path: str) -> Callable:

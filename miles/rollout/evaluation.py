@@ -16,17 +16,16 @@ bitwise with the run, and they use no training stream.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from dataclasses import dataclass
 
-from miles.bridge.types import Sample
 from miles.config import EvalConfig
 from miles.data.prompts import PromptRecord
 from miles.rollout.engine import Engine
 from miles.rollout.rewards import RewardFn
-from miles.rollout.source import tokenize_prompt
+from miles.rollout.sampling import derived_seed
+from miles.rollout.source import response_sample, tokenize_prompt
 from miles.utils.progress import Progress
 
 logger = logging.getLogger("miles")
@@ -39,8 +38,7 @@ class EvalSet:
 
 
 def eval_seed(seed: int, step: int, index: int) -> int:
-    digest = hashlib.sha256(f"miles:eval:{seed}:{step}:{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
+    return derived_seed("eval", seed, step, index)
 
 
 class Evaluator:
@@ -69,16 +67,10 @@ class Evaluator:
         seeds = [eval_seed(self.seed, step, j) for j in range(len(flat))]
         with Progress(f"eval {s.name}", total=self.cfg.sampling.max_new_tokens, unit="tokens") as bar:
             outputs = self.engine.generate(flat, self.cfg.sampling, seeds, progress=bar.update_to)
-        rewards, lengths = [], []
-        for j, (prompt_ids, out) in enumerate(zip(flat, outputs)):
-            record = s.records[j // n]
-            sample = Sample(group_index=j // n, index=j, prompt=record.prompt, tokens=prompt_ids + out.token_ids,
-                            response=self.tokenizer.decode(out.token_ids, skip_special_tokens=True),
-                            response_length=len(out.token_ids), label=record.label,
-                            loss_mask=[1] * len(out.token_ids), rollout_log_probs=out.log_probs,
-                            metadata=dict(record.metadata))
-            rewards.append(float(self.reward_fn(sample)))
-            lengths.append(len(out.token_ids))
+        samples = [response_sample(s.records[j // n], j, n, p, out, self.tokenizer)
+                   for j, (p, out) in enumerate(zip(flat, outputs))]
+        rewards = [float(self.reward_fn(sample)) for sample in samples]
+        lengths = [sample.response_length for sample in samples]
         metrics = {f"eval/{s.name}": sum(rewards) / len(rewards),
                    f"eval/{s.name}/response_len": sum(lengths) / len(lengths)}
         if n > 1:

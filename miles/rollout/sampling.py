@@ -27,10 +27,16 @@ import torch
 from miles.config import SamplingParams
 
 
+def derived_seed(*parts) -> int:
+    """A 63-bit seed that is a function of `parts` only (their text, joined): independent streams for
+    independent purposes, the same on every machine."""
+    digest = hashlib.sha256(":".join(["miles", *map(str, parts)]).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
 def sample_seed(seed: int, rollout_id: int, index: int) -> int:
     """The random stream of one sample: a function of (run seed, rollout id, sample index) only."""
-    digest = hashlib.sha256(f"miles:{seed}:{rollout_id}:{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
+    return derived_seed(seed, rollout_id, index)
 
 
 def stream_uniforms(seeds: list[int], n: int) -> torch.Tensor:

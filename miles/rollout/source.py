@@ -59,9 +59,9 @@ class LiveRollout:
     def generate(self, rollout_id: int) -> RolloutBatch:
         if self.keep is not None:
             return self._dynamic(rollout_id)
-        samples, outputs, gen_time = self._groups(self.dataset.batch_for(rollout_id, self.cfg.batch_size),
+        samples, redrawn, gen_time = self._groups(self.dataset.batch_for(rollout_id, self.cfg.batch_size),
                                                   rollout_id)
-        return RolloutBatch(samples, self._stats(samples, outputs, gen_time))
+        return RolloutBatch(samples, _stats(samples, redrawn, gen_time))
 
     def _custom(self, records: list[PromptRecord], flat_prompts: list[list[int]], seeds: list[int]) -> list[Sample]:
         """--custom-generate-function-path: each prompt sample through the user's function."""
@@ -80,7 +80,8 @@ class LiveRollout:
 
     def _groups(self, records: list[PromptRecord], rollout_id: int, first_seed: int = 0):
         """Each record's group of n rewarded samples (group_index i, index i * n + j); sample k draws from
-        the stream (seed, rollout id, first_seed + k). Returns (samples, engine outputs, seconds)."""
+        the stream (seed, rollout id, first_seed + k). Returns (samples, the engine's true on-policy
+        re-draw counts, seconds)."""
         cfg = self.cfg
         prompts = [tokenize_prompt(r.prompt, self.tokenizer, self.apply_chat_template) for r in records]
         # Each prompt repeated n times, group by group: sample i answers prompt i // n.
@@ -89,44 +90,18 @@ class LiveRollout:
 
         start = time.perf_counter()
         if self.generate_fn is not None:
-            samples = self._custom(records, flat_prompts, seeds)
-            for sample in samples:
-                sample.reward = float(self.reward_fn(sample))
-            return samples, [GenerationOutput(s.response_tokens, [], "stop") for s in samples], \
-                time.perf_counter() - start
-        with Progress(f"rollout {rollout_id} generating", total=cfg.sampling.max_new_tokens, unit="tokens") as bar:
-            outputs = self.engine.generate(flat_prompts, cfg.sampling, seeds, progress=bar.update_to)
+            samples, redrawn = self._custom(records, flat_prompts, seeds), []
+        else:
+            with Progress(f"rollout {rollout_id} generating", total=cfg.sampling.max_new_tokens,
+                          unit="tokens") as bar:
+                outputs = self.engine.generate(flat_prompts, cfg.sampling, seeds, progress=bar.update_to)
+            samples = [response_sample(records[i // cfg.n_samples_per_prompt], i, cfg.n_samples_per_prompt, p, out,
+                                       self.tokenizer) for i, (p, out) in enumerate(zip(flat_prompts, outputs))]
+            redrawn = [out.redrawn for out in outputs if out.redrawn is not None]
         gen_time = time.perf_counter() - start
-
-        samples = []
-        for i, (prompt_ids, out) in enumerate(zip(flat_prompts, outputs)):
-            record = records[i // cfg.n_samples_per_prompt]
-            sample = Sample(
-                group_index=i // cfg.n_samples_per_prompt,
-                index=i,
-                prompt=record.prompt,
-                tokens=prompt_ids + out.token_ids,
-                response=self.tokenizer.decode(out.token_ids, skip_special_tokens=True),
-                response_length=len(out.token_ids),
-                label=record.label,
-                loss_mask=[1] * len(out.token_ids),
-                rollout_log_probs=out.log_probs,
-                status=_FINISH_STATUS[out.finish_reason],
-                weight_version=out.weight_version,
-                metadata=dict(record.metadata),
-                rollout_routed_experts=out.routed_experts,
-            )
+        for sample in samples:
             sample.reward = float(self.reward_fn(sample))
-            samples.append(sample)
-        return samples, outputs, gen_time
-
-    def _stats(self, samples: list[Sample], outputs, gen_time: float) -> dict[str, float]:
-        n_tokens = sum(len(out.token_ids) for out in outputs)
-        stats = {"perf/rollout_time_s": gen_time, "perf/rollout_tok_s": n_tokens / max(gen_time, 1e-9)}
-        redrawn = [out.redrawn for out in outputs if out.redrawn is not None]
-        if redrawn:  # --true-on-policy-mode: tokens re-drawn from the trainer's numbers
-            stats["rollout/true_on_policy_redrawn"] = sum(redrawn)
-        return stats
+        return samples, redrawn, gen_time
 
     def _dynamic(self, rollout_id: int) -> RolloutBatch:
         """Dynamic sampling: rounds of `over_sampling_batch_size` prompts until `batch_size` groups passed
@@ -137,7 +112,7 @@ class LiveRollout:
         size = cfg.over_sampling_batch_size or cfg.batch_size
         kept: list[list[Sample]] = []
         dropped: Counter[str] = Counter()
-        outputs, gen_time, rounds = [], 0.0, 0
+        made, redrawn, gen_time, rounds = [], [], 0.0, 0  # every sample generated, kept or not
         while len(kept) < cfg.batch_size:
             if rounds == cfg.dynamic_max_rounds:
                 raise RunFailed(
@@ -148,8 +123,9 @@ class LiveRollout:
                     "(`miles inspect-rollout` on a --save-debug-rollout-data dump)")
             records = (self.dataset.batch_for(rollout_id, size) if rounds == 0 else
                        self.top_up.batch_for(rollout_id * cfg.dynamic_max_rounds + rounds - 1, size))
-            samples, outs, seconds = self._groups(records, rollout_id, first_seed=rounds * size * n)
-            outputs += outs
+            samples, redraws, seconds = self._groups(records, rollout_id, first_seed=rounds * size * n)
+            made += samples
+            redrawn += redraws
             gen_time += seconds
             for g in range(len(records)):
                 group = samples[g * n:(g + 1) * n]
@@ -168,10 +144,40 @@ class LiveRollout:
         logger.info("dynamic sampling: rollout %d kept %d groups in %d round(s) of %d prompts; dropped %d (%s), "
                     "surplus %d", rollout_id, cfg.batch_size, rounds, size, sum(dropped.values()), _reasons(dropped),
                     surplus)
-        stats = self._stats(samples, outputs, gen_time)
+        stats = _stats(made, redrawn, gen_time)
         stats.update({"rollout/dynamic_sampling_rounds": rounds, "rollout/dynamic_sampling_dropped_groups":
                       sum(dropped.values()), "rollout/dynamic_sampling_surplus_groups": surplus})
         return RolloutBatch(samples, stats)
+
+
+def response_sample(record: PromptRecord, index: int, group_size: int, prompt_ids: list[int], out: GenerationOutput,
+                    tokenizer) -> Sample:
+    """Sample `index` (of group index // group_size): the engine's response to `record`'s prompt, unrewarded."""
+    return Sample(
+        group_index=index // group_size,
+        index=index,
+        prompt=record.prompt,
+        tokens=prompt_ids + out.token_ids,
+        response=tokenizer.decode(out.token_ids, skip_special_tokens=True),
+        response_length=len(out.token_ids),
+        label=record.label,
+        loss_mask=[1] * len(out.token_ids),
+        rollout_log_probs=out.log_probs,
+        status=_FINISH_STATUS[out.finish_reason],
+        weight_version=out.weight_version,
+        metadata=dict(record.metadata),
+        rollout_routed_experts=out.routed_experts,
+    )
+
+
+def _stats(made: list[Sample], redrawn: list[int], gen_time: float) -> dict[str, float]:
+    """Generation throughput over every sample made; --true-on-policy-mode's tokens re-drawn from the
+    trainer's numbers."""
+    n_tokens = sum(s.response_length for s in made)
+    stats = {"perf/rollout_time_s": gen_time, "perf/rollout_tok_s": n_tokens / max(gen_time, 1e-9)}
+    if redrawn:
+        stats["rollout/true_on_policy_redrawn"] = sum(redrawn)
+    return stats
 
 
 def _reasons(dropped: Counter) -> str:

@@ -291,7 +291,8 @@ class Scheduler:
             logits.append(step)
             if routes is not None:
                 for i, seq in enumerate(self._rows):
-                    seq.routes.append(routes[i:i + 1])
+                    if seq.req.return_routed_experts:
+                        seq.routes.append(routes[i:i + 1])
         logits += self._admit()
         if not logits:
             return

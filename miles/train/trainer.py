@@ -129,7 +129,7 @@ class Trainer:
         engine's experts (bridge/routing.py: the weights of those experts recomputed from the router's
         own logits, so the router still gets gradients); `counts` += [differing, compared] token-layer
         routes between the router's own choice and the engine's."""
-        if mb.routes is None:
+        if mb.routes is None or (counts is None and not self.cfg.use_rollout_routing_replay):
             yield
             return
         flat = mb.flat_routes(packed=self.cfg.qkv_format == "thd")
@@ -271,9 +271,8 @@ class Trainer:
             return aggregate(per_token, mb.mask, samples_in_batch=cfg.global_batch_size,
                              tokens_in_batch=tokens_in_batch)
 
-        replayed = self._routed(mb) if self.cfg.use_rollout_routing_replay else contextlib.nullcontext()
         # The whole micro-step inside the replay: a checkpointed layer re-runs its router in backward.
-        with replayed:
+        with self._routed(mb):
             return self._forward_backward(mb, advantages, old_log_probs, ref_log_probs, agg)
 
     def _forward_backward(self, mb: TrainBatch, advantages, old_log_probs, ref_log_probs, agg) -> dict[str, float]:

@@ -27,17 +27,13 @@ __all__ = ["BACKENDS", "EngineError", "RemoteEngine", "connect"]
 
 
 def routed_top_k(model_dir: str) -> int | None:
-    """An MoE checkpoint's experts per token (its config.json; families of miles.bridge.routing), else None."""
-    import json
+    """An MoE checkpoint's experts per token (a family of miles.bridge.routing), else None."""
+    from transformers import AutoConfig
 
     from miles.bridge.routing import FAMILIES
 
-    config = Path(model_dir) / "config.json"
-    try:
-        c = json.loads(config.read_text())
-    except (OSError, ValueError):
-        return None
-    return int(c["num_experts_per_tok"]) if c.get("model_type") in FAMILIES and "num_experts_per_tok" in c else None
+    config = AutoConfig.from_pretrained(model_dir)
+    return config.num_experts_per_tok if config.model_type in FAMILIES else None
 
 
 def connect(cfg: EngineConfig, *, model_dir: str, closers: contextlib.ExitStack, precision: str, seed: int,
