@@ -452,7 +452,7 @@ def time_miles_grpo(ctx, texts: list[str]) -> tuple[list[float], dict[str, list[
     cfg = RolloutConfig(batch_size=s.grpo_prompts, n_samples_per_prompt=s.group,
                         sampling=SamplingParams(max_new_tokens=s.new_tokens, temperature=1.0, top_p=1.0),
                         rm_type="math", custom_rm_path=None, reward_timeout=60.0)
-    local = LocalEngine(ctx.engine_model, eos_token_ids=[], pad_token_id=0)
+    local = LocalEngine(ctx.engine_model, eos_token_ids=[], pad_token_id=0, compile=ctx.args.enable_torch_compile)
     dataset = PromptDataset([PromptRecord(x, None) for x in texts], shuffle=False, seed=0)
     source = LiveRollout(cfg, local, ctx.tokenizer, dataset, lambda sample: even_share(sample.response_tokens),
                          apply_chat_template=False, seed=0)
@@ -648,12 +648,15 @@ class Context:
     """What the sections share: device, sizes, models (built once, on first use), ceilings, report."""
 
     def __init__(self, args):
+        self.args = args
         self.device = args.device
         self.sizes = GPU if args.device == "cuda" else CPU
         if args.batches:
             self.sizes = dataclasses.replace(self.sizes, batches=tuple(int(b) for b in args.batches.split(",")))
         if args.new_tokens:
             self.sizes = dataclasses.replace(self.sizes, new_tokens=args.new_tokens)
+        if args.micro_batch:
+            self.sizes = dataclasses.replace(self.sizes, micro_batch=args.micro_batch)
         self.precision = "bf16" if args.device == "cuda" else "fp32"
         self.repeats = args.repeats
         self.clock = Clock(args.time_limit)
@@ -712,6 +715,11 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=None, help="seconds; repeats stop and sections are skipped after")
     ap.add_argument("--batches", default=None, help="engine batch sizes (default: 32,128,512 on cuda, 8,32 on cpu)")
     ap.add_argument("--new-tokens", type=int, default=None, help="tokens per response (default: 256 on cuda, 64 on cpu)")
+    ap.add_argument("--micro-batch", type=int, default=None,
+                    help="rows per forward/backward of miles' trainer, the plain loop and TRL's "
+                         "per_device_train_batch_size alike (default: 8 on cuda, 4 on cpu)")
+    ap.add_argument("--enable-torch-compile", action="store_true",
+                    help="the GRPO section's engine with torch.compile'd layer functions (miles train's flag)")
     ap.add_argument("--vllm-python", default=None, help="a vLLM install's Python: adds the vllm section (cpu)")
     args = ap.parse_args()
     sections = [x for x in args.only.split(",") if x]

@@ -3,7 +3,7 @@
 PyTorch fwd+bwd+AdamW loop on the same model and tokens.
 
     python benchmarks/trainer_speed.py                       # GPU: Qwen2.5-0.5B shape, 64 x 384, mbs 8
-    python benchmarks/trainer_speed.py --device cpu --shape tiny --samples 16 --seq 96 --micro-batch 4
+    python benchmarks/trainer_speed.py --device cpu --shape tiny --samples 16 --seq 96 --prompt 32 --micro-batch 4
     python benchmarks/trainer_speed.py --ragged              # responses of 1..R tokens: where packing pays
 
 Random weights (seeded), fp32 master weights under bf16 autocast on CUDA (fp32 on CPU), as
@@ -33,13 +33,18 @@ SHAPES = {  # Qwen2.5-0.5B, and a tiny one for a CPU
     "tiny": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=256, vocab_size=4096, tie_word_embeddings=True, max_position_embeddings=4096),
 }
-VARIANTS = {  # name -> Trainer layout (None: the plain loop)
+VARIANTS = {  # name -> Trainer layout (dict), or the plain loop's (weights, micro-batch or None: --micro-batch)
     "miles former: full logits padded": dict(qkv_format="bshd", log_probs_chunk_size=-1, former=True),
     "miles chunked: padded (bshd)": dict(qkv_format="bshd"),
     "miles chunked: packed (thd)": dict(qkv_format="thd"),
     "miles packed + grad ckpt": dict(qkv_format="thd", gradient_checkpointing=True),
-    "plain PyTorch: autocast fp32 master": None,
-    "plain PyTorch: bf16 weights": "bf16",
+    # --use-dynamic-batch-size: micro-batches of a token budget (bshd counts the padded grid)
+    "miles dynamic 12k tokens: bshd": dict(qkv_format="bshd", max_tokens_per_gpu=12288),
+    "miles dynamic 24k tokens: bshd": dict(qkv_format="bshd", max_tokens_per_gpu=24576),
+    "miles dynamic 24k tokens: thd": dict(qkv_format="thd", max_tokens_per_gpu=24576),
+    "plain PyTorch: autocast fp32 master": ("autocast", None),
+    "plain PyTorch: bf16 weights": ("bf16", None),
+    "plain PyTorch: autocast 24k tokens": ("autocast", 64),
 }
 
 
@@ -98,10 +103,12 @@ def run_miles(args, layout: dict, model, samples):
     return lambda: trainer.train(samples), 8
 
 
-def run_plain(args, weights: str | None, model, samples):
+def run_plain(args, spec: tuple[str, int | None], model, samples):
     """fwd + bwd (next-token cross-entropy on the padded micro-batch) + AdamW, one step per rollout."""
     import contextlib
 
+    weights, micro_batch = spec
+    micro_batch = micro_batch or args.micro_batch
     if weights == "bf16":
         model = model.to(torch.bfloat16)
     autocast = (torch.autocast(args.device, dtype=torch.bfloat16) if args.precision == "bf16" and weights != "bf16"
@@ -114,8 +121,8 @@ def run_plain(args, weights: str | None, model, samples):
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        for start in range(0, len(samples), args.micro_batch):
-            mb = ids[start:start + args.micro_batch]
+        for start in range(0, len(samples), micro_batch):
+            mb = ids[start:start + micro_batch]
             with autocast:
                 logits = model(input_ids=mb).logits
             loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), mb[:, 1:].flatten())
@@ -172,11 +179,15 @@ def main() -> None:
         print(json.dumps(one_variant(args)))
         return
     peak = args.peak_tflops or (989.0 if args.device == "cuda" else None)
-    base = [a for a in sys.argv[1:] if not a.startswith("--variants")]
+    base, argv = [], sys.argv[1:]  # this command's flags but --variants, for each variant's process
+    for i, a in enumerate(argv):
+        if not (a.startswith("--variants") or (i and argv[i - 1] == "--variants")):
+            base.append(a)
     print(f"{args.device} {args.precision}, shape {args.shape}, {args.samples} x {args.seq} tokens "
           f"({'ragged responses' if args.ragged else f'prompt {args.prompt}'}), micro-batch {args.micro_batch}, "
           f"median of {args.steps} steps after 1 warm-up")
     print(f"{'variant':40}{'tok/s':>10}{'TFLOP/s':>10}{'MFU':>8}{'step s':>9}{'peak GiB':>10}")
+    r = None
     for name in args.variants.split(","):
         proc = subprocess.run([sys.executable, __file__, *base, "--variant", name], capture_output=True, text=True)
         if proc.returncode:
@@ -185,7 +196,8 @@ def main() -> None:
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         mfu = f"{r['tflops'] / peak:.1%}" if peak else "-"
         print(f"{name:40}{r['tok_s']:>10.0f}{r['tflops']:>10.2f}{mfu:>8}{r['step_s']:>9.3f}{r['peak_gib']:>10.2f}")
-    print(f"N = {r['params'] / 1e6:.1f}M parameters in matmuls")
+    if r:
+        print(f"N = {r['params'] / 1e6:.1f}M parameters in matmuls")
 
 
 if __name__ == "__main__":

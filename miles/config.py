@@ -106,6 +106,11 @@ class TrainConfig:
     """Recompute each decoder layer's activations in backward instead of keeping them."""
     use_rollout_routing_replay: bool = False
     """MoE (R3): the policy's forwards route each token to the experts the engine chose for it."""
+    max_tokens_per_gpu: int | None = None
+    """--use-dynamic-batch-size: training micro-batches hold as many samples as fit this many tokens
+    (micro_batch_size is then not used); None: micro_batch_size samples each."""
+    log_probs_max_tokens_per_gpu: int | None = None
+    """The same budget for the scoring forwards (no gradients); None: max_tokens_per_gpu."""
 
     @property
     def needs_ref(self) -> bool:
@@ -258,7 +263,9 @@ def build_configs(args: argparse.Namespace) -> Configs:
             kl_coef=a.kl_coef, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
             use_tis=a.use_tis, tis_clip=a.tis_clip, calculate_per_token_loss=a.calculate_per_token_loss,
             qkv_format=a.qkv_format, log_probs_chunk_size=a.log_probs_chunk_size,
-            gradient_checkpointing=a.gradient_checkpointing, use_rollout_routing_replay=a.use_rollout_routing_replay),
+            gradient_checkpointing=a.gradient_checkpointing, use_rollout_routing_replay=a.use_rollout_routing_replay,
+            max_tokens_per_gpu=a.max_tokens_per_gpu if a.use_dynamic_batch_size else None,
+            log_probs_max_tokens_per_gpu=a.log_probs_max_tokens_per_gpu if a.use_dynamic_batch_size else None),
         run=RunConfig(output_dir=a.output_dir, num_rollout=a.num_rollout, seed=a.seed, save=a.save,
                       save_interval=a.save_interval, keep_checkpoints=a.keep_checkpoints, load=a.load,
                       allow_branch=a.allow_branch, max_nonfinite_steps=a.max_nonfinite_steps,

@@ -147,6 +147,14 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-steps-per-rollout", type=int, default=None, help="optimizer steps per rollout (default: 1)")
     g.add_argument("--global-batch-size", type=int, default=None, help="samples per optimizer step (default: all samples of the rollout)")
     g.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward/backward; gradients accumulate (default: 8)")
+    g.add_argument("--use-dynamic-batch-size", action="store_true",
+                   help="micro-batches hold as many samples as fit --max-tokens-per-gpu tokens (their real tokens with "
+                        "--qkv-format thd, the padded grid with bshd), cut in order; --micro-batch-size is not used")
+    g.add_argument("--max-tokens-per-gpu", type=int, default=None, metavar="N",
+                   help="with --use-dynamic-batch-size: tokens of one training forward/backward on a rank")
+    g.add_argument("--log-probs-max-tokens-per-gpu", type=int, default=None, metavar="N",
+                   help="with --use-dynamic-batch-size: tokens of one scoring forward (no gradients, so it can be "
+                        "larger; default: --max-tokens-per-gpu)")
     g.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate (default: 2e-5)")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: 0)")
     g.add_argument("--clip-grad", type=float, default=1.0, help="max gradient norm; 0 disables (default: 1.0)")
@@ -248,6 +256,7 @@ def validate_train_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--log-probs-chunk-size must be > 0, or -1 for no chunking (got {args.log_probs_chunk_size})")
 
     _check_batch_sizes(args)
+    _check_dynamic_batch_flags(args)
     _check_cluster_flags(args)
     _check_eval_flags(args)
     _check_dynamic_sampling_flags(args)
@@ -347,8 +356,23 @@ def _check_batch_sizes(args: argparse.Namespace) -> None:
         raise UsageError(f"{gbs_text} must hold whole groups of --n-samples-per-prompt {args.n_samples_per_prompt}")
     args.num_steps_per_rollout, args.global_batch_size = steps, gbs
     args.micro_batch_size = min(args.micro_batch_size, gbs)
-    if gbs % args.micro_batch_size:
+    if gbs % args.micro_batch_size and not args.use_dynamic_batch_size:
         raise UsageError(f"--micro-batch-size {args.micro_batch_size} must divide {gbs_text}")
+
+
+def _check_dynamic_batch_flags(args: argparse.Namespace) -> None:
+    _positive(args, "max_tokens_per_gpu", "log_probs_max_tokens_per_gpu")
+    if not args.use_dynamic_batch_size:
+        given = [f for f in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu") if getattr(args, f) is not None]
+        if given:
+            raise UsageError(f"--{given[0].replace('_', '-')} is read only with --use-dynamic-batch-size: add it, "
+                             "or drop the budget")
+        return
+    if args.max_tokens_per_gpu is None:
+        raise UsageError("--use-dynamic-batch-size needs --max-tokens-per-gpu N (tokens per training micro-batch)")
+    if args.true_on_policy_mode:
+        raise UsageError("--true-on-policy-mode scores the engine's tokens in micro-batches of --micro-batch-size "
+                         "samples, as the trainer must: drop --use-dynamic-batch-size")
 
 
 def _check_cluster_flags(args: argparse.Namespace) -> None:
@@ -356,7 +380,10 @@ def _check_cluster_flags(args: argparse.Namespace) -> None:
               "distributed_timeout_minutes")
     ray_mode = args.actor_num_nodes is not None or args.actor_num_gpus_per_node is not None
     ranks = (args.actor_num_nodes or 1) * (args.actor_num_gpus_per_node or 1)
-    if ray_mode and args.global_batch_size % (ranks * args.micro_batch_size):
+    if ray_mode and args.use_dynamic_batch_size and args.global_batch_size % ranks:
+        raise UsageError(f"--global-batch-size {args.global_batch_size} must split evenly into {ranks} trainer ranks "
+                         f"(--actor-num-nodes x --actor-num-gpus-per-node): make it a multiple of {ranks}")
+    if ray_mode and not args.use_dynamic_batch_size and args.global_batch_size % (ranks * args.micro_batch_size):
         raise UsageError(f"--global-batch-size {args.global_batch_size} must split evenly into {ranks} trainer ranks "
                          f"(--actor-num-nodes x --actor-num-gpus-per-node) of whole micro-batches of "
                          f"--micro-batch-size {args.micro_batch_size}: make it a multiple of {ranks * args.micro_batch_size}")

@@ -153,17 +153,20 @@ def _packed_forward(model, batch: TrainBatch):
 @torch.no_grad()
 def score_rollout(model, batch: TrainBatch, micro_batch_size: int, temperature: float, autocast,
                   with_logits: bool = False, *, packed: bool = True, chunk_size: int = LOG_PROBS_CHUNK_SIZE,
-                  around: Callable[[TrainBatch], contextlib.AbstractContextManager] | None = None):
-    """The trainer's scoring pass: response log-probs (B, R), micro-batch by micro-batch; each
-    micro-batch's forward runs inside `around(micro_batch)` when given (MoE routes: the trainer's).
+                  around: Callable[[TrainBatch], contextlib.AbstractContextManager] | None = None,
+                  bounds: list[tuple[int, int]] | None = None):
+    """The trainer's scoring pass: response log-probs (B, R), micro-batch by micro-batch (rows
+    [start, stop) of `bounds`, or `micro_batch_size` rows each); each micro-batch's forward runs
+    inside `around(micro_batch)` when given (MoE routes: the trainer's).
 
     `--true-on-policy-mode` runs this very function in the engine too (`score_sequences`), on the
     same batch layout, so that both sides compute the same numbers with the same kernels, shapes
     and order.
     """
     log_probs, logits = [], []
-    for start in range(0, batch.rewards.numel(), micro_batch_size):
-        mb = batch.rows(start, start + micro_batch_size)
+    n = batch.rewards.numel()
+    for start, stop in bounds or [(lo, min(lo + micro_batch_size, n)) for lo in range(0, n, micro_batch_size)]:
+        mb = batch.rows(start, stop)
         with autocast(), (around(mb) if around is not None else contextlib.nullcontext()):
             lp, rows = response_log_probs(model, mb, temperature, packed=packed, chunk_size=chunk_size,
                                           with_logits=with_logits)

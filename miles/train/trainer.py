@@ -37,6 +37,7 @@ from miles.bridge.types import Sample, StepDiagnostics, TrainResult
 from miles.bridge.weight_sync import SentTensor, SyncStats
 from miles.config import TrainConfig
 from miles.errors import UsageError
+from miles.train import micro_batches
 from miles.train.advantages import ADVANTAGE_ESTIMATORS
 from miles.train.batch import TrainBatch, response_log_probs, score_rollout
 from miles.train.checkpoint import save_checkpoint
@@ -119,9 +120,27 @@ class Trainer:
         (the policy's scoring of an MoE rollout with routes): gets this rank's routing mismatch."""
         lo, hi = self.ranks.rows(0, batch.rewards.numel())
         around = (lambda mb: self._routed(mb, counts)) if counts is not None else None
+        bounds = [(a - lo, b - lo) for a, b in self._micro_batches(batch, lo, hi, training=False)]
         mine = score_rollout(model, batch.rows(lo, hi), self.cfg.micro_batch_size, self.temperature, self.autocast,
-                             around=around, **self.cfg.scoring_layout)[0]
+                             around=around, bounds=bounds, **self.cfg.scoring_layout)[0]
         return self.ranks.gather_rows(mine)
+
+    def _micro_batches(self, batch: TrainBatch, start: int, stop: int, *, training: bool) -> list[tuple[int, int]]:
+        """This rank's rows [start, stop) cut into micro-batches: --micro-batch-size samples each, or as
+        many as fit the token budget of training or scoring (--use-dynamic-batch-size), as many
+        micro-batches on every rank."""
+        cfg = self.cfg
+        own = not training and cfg.log_probs_max_tokens_per_gpu is not None  # scoring's own budget was given
+        max_tokens = cfg.log_probs_max_tokens_per_gpu if own else cfg.max_tokens_per_gpu
+        if max_tokens is None:
+            return micro_batches.fixed(start, stop, cfg.micro_batch_size)
+        lengths = batch.attention_mask.sum(-1).tolist()
+        if max(lengths) > max_tokens:  # every rank holds the whole batch: all of them stop here
+            flag = "--log-probs-max-tokens-per-gpu" if own else "--max-tokens-per-gpu"
+            raise UsageError(f"{flag} {max_tokens} is below the longest sample's {max(lengths)} tokens (prompt + "
+                             f"response): raise it to at least {max(lengths)}")
+        parts = micro_batches.by_tokens(lengths, start, stop, max_tokens, packed=cfg.qkv_format == "thd")
+        return micro_batches.split_to(parts, int(self.ranks.max(len(parts))))
 
     @contextlib.contextmanager
     def _routed(self, mb: TrainBatch, counts: list[int] | None = None):
@@ -212,23 +231,25 @@ class Trainer:
         """
         cfg, ranks = self.cfg, self.ranks
         step_metrics, grad_digests, recompute_gap = [], [], 0.0
-        gbs, mbs = cfg.global_batch_size, cfg.micro_batch_size
-        with Progress("training", total=batch.rewards.numel() // mbs // ranks.world_size, unit="micro-batches") as bar:
-            for step in range(cfg.num_steps_per_rollout):
+        gbs = cfg.global_batch_size
+        # Each step's micro-batches: this rank's share of the step's rows, cut by samples or tokens.
+        plan = [self._micro_batches(batch, *ranks.rows(step * gbs, (step + 1) * gbs), training=True)
+                for step in range(cfg.num_steps_per_rollout)]
+        with Progress("training", total=sum(map(len, plan)), unit="micro-batches") as bar:
+            for step, parts in enumerate(plan):
                 rows = slice(step * gbs, (step + 1) * gbs)
                 tokens = int(batch.mask[rows].sum()) if cfg.calculate_per_token_loss else None
                 self.optimizer.zero_grad(set_to_none=True)
                 sums: dict[str, float] = {}
                 bad_start, gap = -1, 0.0  # the first micro-batch (its first row) with a non-finite loss
-                for start in range(*ranks.rows(rows.start, rows.stop), mbs):  # this rank's share of the step
-                    mb = slice(start, start + mbs)
-                    out = self._micro_step(batch.rows(start, start + mbs), advantages[mb], old_log_probs[mb],
-                                           ref_log_probs[mb] if ref_log_probs is not None else None, tokens)
+                for lo, hi in parts:
+                    out = self._micro_step(batch.rows(lo, hi), advantages[lo:hi], old_log_probs[lo:hi],
+                                           ref_log_probs[lo:hi] if ref_log_probs is not None else None, tokens)
                     gap = max(gap, out.pop("recompute_max_diff"))
                     for key, value in out.items():
                         sums[key] = sums.get(key, 0.0) + value
                     if bad_start < 0 and not math.isfinite(out["train/loss"]):
-                        bad_start = start
+                        bad_start = lo
                     bar.advance()
                 sums = ranks.sum(sums)  # each micro-batch's share of the global mean, summed over ranks
                 if step == 0:
@@ -242,8 +263,7 @@ class Trainer:
                 sums["train/grad_norm"] = ranks.full(norm).item()
                 step_metrics.append(sums)
                 if bad_start >= 0 or not math.isfinite(sums["train/grad_norm"]):
-                    bad_micro_batch = (f"micro-batch {(bad_start - step * gbs) // mbs} "
-                                       f"(samples {bad_start}..{bad_start + mbs - 1})")
+                    bad_micro_batch = f"the micro-batch starting at sample {bad_start}"
                     where = f"loss of {bad_micro_batch}" if bad_start >= 0 else f"gradient of {self._nonfinite_grad()}"
                     self.optimizer.zero_grad(set_to_none=True)
                     return step_metrics, grad_digests, recompute_gap, (
