@@ -3,12 +3,11 @@
 import json
 
 import pytest
+from test_train import metrics, run, varied_args  # noqa: F401  (a fixture)
 
 from miles.cli.main import main
 from miles.errors import UsageError
 from miles.train import micro_batches
-
-from test_train import metrics, run, varied_args  # noqa: F401  (a fixture)
 
 
 def test_by_tokens_fills_each_micro_batch_up_to_the_budget():

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.bridge.types import Sample
-from miles.train import attention
+from miles.train import attention, micro_batches
 from miles.train.logprobs import causal_lm, chunked_log_probs, output_head, run_to_hidden
 
 LOG_PROBS_CHUNK_SIZE = 1024  # --log-probs-chunk-size: response tokens per lm_head chunk
@@ -164,8 +164,7 @@ def score_rollout(model, batch: TrainBatch, micro_batch_size: int, temperature: 
     and order.
     """
     log_probs, logits = [], []
-    n = batch.rewards.numel()
-    for start, stop in bounds or [(lo, min(lo + micro_batch_size, n)) for lo in range(0, n, micro_batch_size)]:
+    for start, stop in bounds or micro_batches.fixed(0, batch.rewards.numel(), micro_batch_size):
         mb = batch.rows(start, stop)
         with autocast(), (around(mb) if around is not None else contextlib.nullcontext()):
             lp, rows = response_log_probs(model, mb, temperature, packed=packed, chunk_size=chunk_size,

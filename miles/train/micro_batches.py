@@ -25,14 +25,13 @@ def cost(lengths: Sequence[int], lo: int, hi: int, *, packed: bool) -> int:
     return sum(rows) if packed else (hi - lo) * max(rows)
 
 
-def by_tokens(lengths: Sequence[int], start: int, stop: int, max_tokens: int, *, packed: bool,
-              flag: str = "--max-tokens-per-gpu") -> list[tuple[int, int]]:
+def by_tokens(lengths: Sequence[int], start: int, stop: int, max_tokens: int, *, packed: bool) -> list[tuple[int, int]]:
     """Rows [start, stop) cut greedily, in order, into micro-batches of at most `max_tokens` tokens
     (`cost`). A row longer than the budget alone is refused: it could not fit any micro-batch."""
     parts, lo = [], start
     for i in range(start, stop):
         if lengths[i] > max_tokens:
-            raise UsageError(f"{flag} {max_tokens} is below sample {i}'s {lengths[i]} tokens (prompt + response): "
+            raise UsageError(f"--max-tokens-per-gpu {max_tokens} is below sample {i}'s {lengths[i]} tokens (prompt + response): "
                              f"raise it to at least {max(lengths[start:stop])}")
         if i > lo and cost(lengths, lo, i + 1, packed=packed) > max_tokens:
             parts.append((lo, i))
