@@ -152,6 +152,15 @@ def one_variant(args) -> dict:
         step()
         sync()
         times.append(time.perf_counter() - start)
+    if args.profile:  # one more step under the profiler: its top ops by device time, to stderr
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+        with profile(activities=acts) as prof:
+            step()
+            sync()
+        key = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=args.profile), file=sys.stderr)
     tokens = sum(len(s.tokens) for s in samples)
     seconds = statistics.median(times)
     peak = (torch.cuda.max_memory_allocated() if args.device == "cuda"
@@ -172,6 +181,8 @@ def main() -> None:
     ap.add_argument("--ragged", action="store_true", help="response lengths uniform in 1..seq-prompt")
     ap.add_argument("--peak-tflops", type=float, default=None, help="for MFU (default: 989 on CUDA)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of the names")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after the timed steps, profile one more and print its top N ops by device time")
     ap.add_argument("--variant", help=argparse.SUPPRESS)  # one variant, in this process (the parent's child)
     args = ap.parse_args()
     args.precision = "bf16" if args.device == "cuda" else "fp32"
@@ -190,6 +201,8 @@ def main() -> None:
     r = None
     for name in args.variants.split(","):
         proc = subprocess.run([sys.executable, __file__, *base, "--variant", name], capture_output=True, text=True)
+        if args.profile:
+            print(f"-- {name}: profile of one step\n{proc.stderr}")
         if proc.returncode:
             print(f"{name:40} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1][:120]}")
             continue

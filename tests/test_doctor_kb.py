@@ -110,6 +110,24 @@ def test_nothing_known_says_what_was_read_and_what_is_missing(capsys, tmp_path):
     assert "Missing, to name a culprit: versions" in text and "an error line or stack trace" in text
 
 
+def test_a_persons_sentences_are_read_as_a_symptom_and_a_programs_output_is_not(capsys, tmp_path):
+    """Prose with a symptom word is matched even with dashes, quotes and flags in it; a clean program's
+    output (no error, no sentence saying something is wrong) names no culprit."""
+    from miles.debug.doctor.readers import collect
+    from miles.debug.doctor.retrieval import query_lines
+
+    report = tmp_path / "report.md"
+    report.write_text("Qwen3-MoE multi-turn SFT: 'Token mismatch detected!' - extra think tags\n"
+                      "with VLLM_ROCM_USE_AITER_MOE=1 and CUDA graphs on, responses are all gibberish after RL\n")
+    lines, symptomatic = query_lines(collect([str(report)]))
+    assert symptomatic and len(lines) == 2
+    log = tmp_path / "eval.txt"
+    log.write_text("Starting evaluation of /models/Qwen2.5-7B-Instruct on gsm8k (1319 problems)\n"
+                   "Loading tokenizer...\nResults written to results/gsm8k.json\n")
+    assert not query_lines(collect([str(log)]))[1]
+    assert doctor_json(capsys, log)["findings"] == []
+
+
 @pytest.fixture(scope="module")
 def evaluation():
     import tempfile
@@ -123,13 +141,13 @@ def evaluation():
 
 
 def test_leave_one_out_accuracy_and_false_alarms_hold(evaluation):
-    """The README's numbers, each case matched against the base without it, must not fall: top-1 was
-    51% and top-3 67% (the issue's target, 80% top-1, is not met), false alarms 4.4% (target <= 5%)."""
+    """The README's numbers, each case matched against the base without it, must not fall: top-1 60% and
+    top-3 64% (the issue's target, 80% top-1, is not met), false alarms 5% (target <= 5%)."""
     outcomes, alarms = evaluation
     top1 = sum(o.top1 for o in outcomes) / len(outcomes)
     top3 = sum(o.top3 for o in outcomes) / len(outcomes)
     false = sum(bool(o.named) for o in alarms) / len(alarms)
-    assert top1 >= 0.48 and top3 >= 0.62, f"leave-one-out top-1 {top1:.0%}, top-3 {top3:.0%}"
+    assert top1 >= 0.57 and top3 >= 0.61, f"leave-one-out top-1 {top1:.0%}, top-3 {top3:.0%}"
     assert false <= 0.05, f"false alarms on distractors {false:.0%}"
 
 

@@ -71,8 +71,9 @@ class Facts:
     pip_freeze: bool = False
 
     def terms(self) -> list[str]:
-        """The facts as query words for the retrieval (flags and switches spelled as in the cases)."""
-        words = [*self.frameworks, *(f.replace("_", " ") for f in self.flags), *self.errors]
+        """The facts as query words for the retrieval (flags and switches spelled as in the cases). Not the
+        framework's name: it says little of the cause, and the distractors' frameworks would weigh on it."""
+        words = [*(f.replace("_", " ") for f in self.flags), *self.errors]
         return words + ["MoE experts"] * self.moe + ["fp8"] * self.fp8
 
     def summary(self) -> list[str]:

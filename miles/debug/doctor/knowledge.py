@@ -24,6 +24,7 @@ class Culprit:
     guide: str
     fix: str
     signals: str  # the words reports of this culprit use: its profile for the retrieval
+    scope: str  # what it covers and where its border with its neighbours lies: the labelling rule
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class KBError(ValueError):
 @lru_cache(maxsize=1)
 def culprits() -> dict[str, Culprit]:
     data = json.loads((KB / "culprits.json").read_text())
-    return {c["id"]: Culprit(c["id"], c["name"], c["guide"], c["fix"], c["signals"]) for c in data["culprits"]}
+    return {c["id"]: Culprit(c["id"], c["name"], c["guide"], c["fix"], c["signals"], c["scope"]) for c in data["culprits"]}
 
 
 def _read(path: Path, distractor: bool) -> list[Case]:
