@@ -71,11 +71,7 @@ def main() -> None:
         F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True).sum().backward()
 
     def loop():
-        bounds = cu.tolist()
-        torch.cat([F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None],
-                                                  v[s:e].transpose(0, 1)[None], is_causal=True, scale=scale,
-                                                  enable_gqa=True)[0].transpose(0, 1)
-                   for s, e in zip(bounds[:-1], bounds[1:])]).sum().backward()
+        varlen.per_sequence_attention(q, k, v, cu, scale).sum().backward()
 
     rows = [("miles packed (thd)", timed(packed, args.repeats), total),
             ("padded SDPA (bshd)", timed(padded, args.repeats), args.seqs * args.len),

@@ -26,6 +26,12 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         if groups > 1 and "enable_gqa" not in flash:  # this torch's varlen_attn wants as many kv heads as q heads
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         return _varlen_attn()(q, k, v.contiguous(), cu_seq_lens, cu_seq_lens, max_len, max_len, **flash)
+    return per_sequence_attention(q, k, v, cu_seq_lens, scale)
+
+
+def per_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor,
+                           scale: float | None) -> torch.Tensor:
+    """The fallback: one `scaled_dot_product_attention(is_causal=True)` per sequence, (T, Hq, D)."""
     bounds = cu_seq_lens.tolist()
     gqa = q.shape[1] != k.shape[1]
     parts = [F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None],

@@ -135,8 +135,10 @@ _PROSE_WORD = re.compile(r"(?<![\w./=-])[A-Za-z][a-z]+(?:'[a-z]+)?(?![\w/=(-])")
 
 
 def is_prose(line: str) -> bool:
-    """A person's sentence: it starts with a letter (after list or quote marks) and holds four words."""
-    return bool(_PROSE_START.match(line)) and not line.startswith('File "') and len(_PROSE_WORD.findall(line)) >= 4
+    """A person's sentence: it starts with a letter (after list or quote marks) and holds four words; not
+    a log record, a command line or a traceback's frame line."""
+    return (bool(_PROSE_START.match(line)) and len(_PROSE_WORD.findall(line)) >= 4 and not _LOG_HEAD.match(line)
+            and not _COMMAND.match(line) and not line.startswith('File "'))
 
 
 # The words a person uses to say something is wrong. A sentence without one (a log's "Starting evaluation of
@@ -167,7 +169,7 @@ def query_lines(corpus) -> tuple[list[tuple[str, str]], bool]:
                 continue
             if _ERRORISH.search(s) and not re.search(r"\| PASS \||\b0 FAIL\b|\bno (?:error|failure)s?\b", s):
                 errors.append((log.where(i), s))
-            elif log.kind != "miles-train" and is_prose(s) and not _LOG_HEAD.match(s) and not _COMMAND.match(s):
+            elif log.kind != "miles-train" and is_prose(s):
                 prose.append((log.where(i), s))
             else:
                 rest.append((log.where(i), s))
