@@ -42,6 +42,8 @@ VARIANTS = {  # name -> Trainer layout (dict), or the plain loop's (weights, mic
     "miles dynamic 12k tokens: bshd": dict(qkv_format="bshd", max_tokens_per_gpu=12288),
     "miles dynamic 24k tokens: bshd": dict(qkv_format="bshd", max_tokens_per_gpu=24576),
     "miles dynamic 24k tokens: thd": dict(qkv_format="thd", max_tokens_per_gpu=24576),
+    # the packed sequences' attention as one padded SDPA (scatter, SDPA, gather) instead of varlen_attn
+    "miles dynamic 24k tokens: thd padded-sdpa": dict(qkv_format="thd", max_tokens_per_gpu=24576, kernel="padded"),
     "plain PyTorch: autocast fp32 master": ("autocast", None),
     "plain PyTorch: bf16 weights": ("bf16", None),
     "plain PyTorch: autocast 24k tokens": ("autocast", 64),
@@ -94,6 +96,11 @@ def run_miles(args, layout: dict, model, samples):
 
     if layout.pop("former", False):
         batch_module.response_log_probs = trainer_module.response_log_probs = former_response_log_probs
+    if layout.pop("kernel", None) == "padded":
+        from miles.train import attention
+        from miles.utils import varlen
+
+        attention.packed_causal_attention = varlen.padded_causal_attention
     cfg = TrainConfig(num_steps_per_rollout=1, global_batch_size=len(samples), micro_batch_size=args.micro_batch,
                       lr=1e-6, weight_decay=0.0, clip_grad=1.0, advantage_estimator="grpo", eps_clip=0.2,
                       eps_clip_high=0.2, kl_coef=0.0, use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="k1",
@@ -156,11 +163,14 @@ def one_variant(args) -> dict:
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
-        with profile(activities=acts) as prof:
+        with profile(activities=acts, record_shapes=True) as prof:
             step()
             sync()
         key = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=args.profile), file=sys.stderr)
+        print(prof.key_averages(group_by_input_shape=True).table(  # which tensors the top ops ran on
+            sort_by=key, row_limit=args.profile, max_name_column_width=28, max_shapes_column_width=90),
+            file=sys.stderr)
     tokens = sum(len(s.tokens) for s in samples)
     seconds = statistics.median(times)
     peak = (torch.cuda.max_memory_allocated() if args.device == "cuda"

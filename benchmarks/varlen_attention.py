@@ -7,6 +7,8 @@ Times, side by side in one run (CUDA, bf16; median of --repeats after warm-up):
   which kernel it took (torch's `varlen_attn`, or one SDPA per sequence);
 - the padded path a user would otherwise run: one batched `scaled_dot_product_attention(is_causal=True)`
   over (seqs, heads, len, dim), with GQA as SDPA's enable_gqa;
+- the packed tokens scattered to that padded grid, one SDPA, gathered back
+  (`miles.utils.varlen.padded_causal_attention`): padded attention's kernel, the copies included;
 - the per-sequence SDPA loop (the fallback), so a slow figure says which one ran.
 Sequence lengths are drawn between len/2 and len (seed 0); padded rows pad to len.
 """
@@ -62,7 +64,7 @@ def main() -> None:
     scale = args.dim ** -0.5
     flash = varlen._flash_kwargs(q, scale)
     print(f"torch {torch.__version__}; varlen_attn parameters: {sorted(varlen._varlen_params())}")
-    print(f"packed path takes: {'varlen_attn ' + str(flash) if flash is not None else 'one SDPA per sequence'}")
+    print(f"packed path takes: {varlen.kernel_for(q, scale)} {flash if flash is not None else ''}")
 
     def packed():
         varlen.packed_causal_attention(q, k, v, cu, args.len, scale).sum().backward()
@@ -70,11 +72,15 @@ def main() -> None:
     def padded():
         F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True).sum().backward()
 
+    def padded_inside():
+        varlen.padded_causal_attention(q, k, v, cu, args.len, scale).sum().backward()
+
     def loop():
         varlen.per_sequence_attention(q, k, v, cu, scale).sum().backward()
 
     rows = [("miles packed (thd)", timed(packed, args.repeats), total),
             ("padded SDPA (bshd)", timed(padded, args.repeats), args.seqs * args.len),
+            ("thd scattered to padded SDPA", timed(padded_inside, args.repeats), total),
             ("per-sequence SDPA loop", timed(loop, args.repeats), total)]
     base = rows[1][1]
     print(f"{args.seqs} sequences, {total} real tokens ({args.seqs * args.len} padded), heads {args.heads}/"

@@ -98,7 +98,7 @@ class TrainConfig:
     tis_clip: float
     calculate_per_token_loss: bool
     """Loss summed over the global batch's response tokens and divided by their count (DAPO)."""
-    qkv_format: str = "bshd"
+    qkv_format: str = "thd"
     """thd: each micro-batch packed into one row of its real tokens (varlen attention); bshd: padded rows."""
     log_probs_chunk_size: int = 1024
     """Response tokens per lm_head + logsumexp chunk (-1: all of a micro-batch's at once)."""

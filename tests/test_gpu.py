@@ -74,6 +74,30 @@ def test_fast_bf16_log_probs_are_within_bf16_noise_of_the_trainer(tiny_model):
     assert max(diffs) < 0.25 and sum(diffs) / len(diffs) < 0.02
 
 
+def test_packed_trainer_attention_runs_the_fused_kernel_under_autocast(tiny_model, monkeypatch):
+    """fp32 weights under bf16 autocast (the trainer's setting): packed (thd) attention gets fp32
+    queries from the rotary embedding and must still take the bf16 varlen (or padded) kernel, never
+    one SDPA per sequence; its log-probs stay within bf16 noise of the padded (bshd) path."""
+    from miles.bridge.types import Sample
+    from miles.train.batch import TrainBatch, response_log_probs
+    from miles.utils import varlen
+
+    ran = []
+    for name in ("per_sequence_attention", "padded_causal_attention", "_varlen_attn"):
+        original = getattr(varlen, name)
+        monkeypatch.setattr(varlen, name, lambda *a, _f=original, _n=name, **kw: (ran.append(_n), _f(*a, **kw))[1])
+    model = load_causal_lm(tiny_model, device="cuda", attention_backend="sdpa")
+    g = torch.Generator().manual_seed(0)
+    samples = [Sample(group_index=0, index=i, prompt="", tokens=torch.randint(3, 90, (n,), generator=g).tolist(),
+                      response_length=n // 2, loss_mask=[1] * (n // 2)) for i, n in enumerate((40, 17, 33, 8))]
+    batch = TrainBatch.from_samples(samples, 0, "cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        packed, _ = response_log_probs(model, batch, 1.0, packed=True)
+        padded, _ = response_log_probs(model, batch, 1.0, packed=False)
+    assert ran and "per_sequence_attention" not in ran
+    assert (packed - padded).abs().max() < 0.1
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_cuda_decode_matches_the_eager_reference(tiny_model, cache):
     tok = load_tokenizer(tiny_model)

@@ -113,6 +113,24 @@ def test_packed_attention_keeps_the_sequences_apart(model):
     torch.testing.assert_close(two, one, atol=1e-5, rtol=0)
 
 
+def test_padded_kernel_equals_the_per_sequence_kernel():
+    """Packed sequences scattered to a padded grid under one causal SDPA (what CUDA runs where torch's
+    varlen kernel cannot) = one SDPA per sequence: outputs and the gradients of q, k and v."""
+    from miles.utils import varlen
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 9, 1, 7, 2]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v = (torch.randn(sum(lengths), h, 8, generator=g, dtype=torch.float64, requires_grad=True)
+               for h in (4, 2, 2))
+    weights = torch.randn(sum(lengths), 4, 8, generator=g, dtype=torch.float64)
+    results = []
+    for out in (varlen.per_sequence_attention(q, k, v, cu, 0.3), varlen.padded_causal_attention(q, k, v, cu, 9, 0.3)):
+        results.append((out, *torch.autograd.grad((out * weights).sum(), (q, k, v))))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
 def test_gradient_checkpointing_same_grads_less_memory_held(tiny_model):
     from torch.autograd.graph import saved_tensors_hooks
 

@@ -3,9 +3,10 @@
 Shared by the trainer's packed micro-batches (miles/train/attention.py) and the engine's packed
 prefill (miles/rollout/local/runner.py). Queries (T, Hq, D), keys and values (T, Hkv, D) hold the
 sequences back to back; `cu_seq_lens` (N + 1,) int32 on their device gives where each starts, and
-T. torch's `varlen_attn` (the FlashAttention varlen kernel) runs bf16/fp16 on CUDA; everything
-else runs one `scaled_dot_product_attention(is_causal=True)` per sequence. Neither attends across
-sequences.
+T. On CUDA, torch's `varlen_attn` (the FlashAttention-style varlen kernel) runs bf16/fp16, and other
+dtypes run one batched SDPA over the sequences scattered to a padded grid; on the CPU each sequence
+runs its own `scaled_dot_product_attention(is_causal=True)`. Under autocast all of them compute in
+autocast's dtype, as SDPA does. None attends across sequences.
 """
 
 from __future__ import annotations
@@ -19,26 +20,69 @@ import torch.nn.functional as F
 
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor,
                             max_len: int, scale: float | None) -> torch.Tensor:
-    """(T, Hq, D) attention outputs of the packed sequences."""
-    flash = _flash_kwargs(q, scale)
-    if flash is not None:
+    """(T, Hq, D) attention outputs of the packed sequences, by the kernel `kernel_for` names."""
+    q, k, v = _autocast(q, k, v)
+    kernel = kernel_for(q, scale)
+    if kernel == "varlen_attn":
+        flash = _flash_kwargs(q, scale)
         groups = q.shape[1] // k.shape[1]
         if groups > 1 and "enable_gqa" not in flash:  # this torch's varlen_attn wants as many kv heads as q heads
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         return _varlen_attn()(q, k, v.contiguous(), cu_seq_lens, cu_seq_lens, max_len, max_len, **flash)
+    if kernel == "padded_sdpa":
+        return padded_causal_attention(q, k, v, cu_seq_lens, max_len, scale)
     return per_sequence_attention(q, k, v, cu_seq_lens, scale)
+
+
+def kernel_for(q: torch.Tensor, scale: float | None) -> str:
+    """Which kernel packed attention of `q` (already in its compute dtype) runs: "varlen_attn" (torch's
+    FlashAttention-style varlen kernel: CUDA, bf16/fp16), "padded_sdpa" (other CUDA cases: one batched
+    SDPA beats a kernel launch per sequence there) or "per_sequence" (CPU, where the loop is faster)."""
+    if not q.is_cuda:
+        return "per_sequence"
+    return "varlen_attn" if _flash_kwargs(q, scale) is not None else "padded_sdpa"
+
+
+def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors in autocast's dtype when it is on for their device, as SDPA would cast them: under
+    bf16 autocast over fp32 weights the rotary embedding hands attention fp32 queries and keys."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) for t in tensors)
 
 
 def per_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor,
                            scale: float | None) -> torch.Tensor:
-    """The fallback: one `scaled_dot_product_attention(is_causal=True)` per sequence, (T, Hq, D)."""
-    bounds = cu_seq_lens.tolist()
+    """One `scaled_dot_product_attention(is_causal=True)` per sequence, (T, Hq, D)."""
+    # split, not slices: split's backward is one cat, where each slice's would zero a full-size gradient
+    lengths = cu_seq_lens.diff().tolist()
     gqa = q.shape[1] != k.shape[1]
-    parts = [F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None],
-                                            v[s:e].transpose(0, 1)[None], is_causal=True, scale=scale,
+    parts = [F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None],
+                                            vs.transpose(0, 1)[None], is_causal=True, scale=scale,
                                             enable_gqa=gqa)[0].transpose(0, 1)
-             for s, e in zip(bounds[:-1], bounds[1:])]
+             for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
     return torch.cat(parts)
+
+
+def padded_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor,
+                            max_len: int, scale: float | None) -> torch.Tensor:
+    """The packed sequences scattered to a right-padded (N, H, max_len, D) grid, one batched
+    `scaled_dot_product_attention(is_causal=True)` over it, and the real rows gathered back, (T, Hq, D).
+    A causal query never sees the padding after its own sequence, so no mask is needed."""
+    n, t = cu_seq_lens.numel() - 1, q.shape[0]
+    starts = cu_seq_lens[:-1].long()
+    seq = torch.searchsorted(cu_seq_lens[1:].long(), torch.arange(t, device=q.device), right=True)  # (T,)
+    slot = seq * max_len + torch.arange(t, device=q.device) - starts[seq]  # each token's row in the grid
+
+    def grid(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros(n * max_len, *x.shape[1:]).index_copy(0, slot, x)
+        return out.view(n, max_len, *x.shape[1:]).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(grid(q), grid(k), grid(v), is_causal=True, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2).reshape(n * max_len, *q.shape[1:])[slot]
 
 
 @functools.cache
