@@ -89,7 +89,7 @@ def test_packed_trainer_attention_runs_the_fused_kernel_under_autocast(tiny_mode
         monkeypatch.setattr(varlen, name, lambda *a, _f=original, _n=name, **kw: (ran.append(_n), _f(*a, **kw))[1])
     kernel, _ = varlen._varlen_attn(), varlen._varlen_params()  # the signature is read (and cached) unwrapped
     if kernel is not None:
-        spy = lambda *a, **kw: (ran.append("varlen_attn"), kernel(*a, **kw))[1]  # noqa: E731
+        spy = lambda *a, **kw: (ran.append("varlen_attn"), kernel(*a, **kw))[1]
         monkeypatch.setattr(varlen, "_varlen_attn", lambda: spy)
     model = load_causal_lm(tiny_model, device="cuda", attention_backend="sdpa")
     g = torch.Generator().manual_seed(0)
