@@ -42,6 +42,8 @@ VARIANTS = {  # name -> Trainer layout (dict), or the plain loop's (weights, mic
     "miles dynamic 12k tokens: bshd": dict(qkv_format="bshd", max_tokens_per_gpu=12288),
     "miles dynamic 24k tokens: bshd": dict(qkv_format="bshd", max_tokens_per_gpu=24576),
     "miles dynamic 24k tokens: thd": dict(qkv_format="thd", max_tokens_per_gpu=24576),
+    # --trainer-torch-compile: each decoder layer and the log-prob chunks through torch.compile
+    "miles dynamic 24k tokens: thd compiled": dict(qkv_format="thd", max_tokens_per_gpu=24576, torch_compile=True),
     # the packed sequences' attention as one padded SDPA (scatter, SDPA, gather) instead of varlen_attn
     "miles dynamic 24k tokens: thd padded-sdpa": dict(qkv_format="thd", max_tokens_per_gpu=24576, kernel="padded"),
     "plain PyTorch: autocast fp32 master": ("autocast", None),

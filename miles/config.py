@@ -104,6 +104,8 @@ class TrainConfig:
     """Response tokens per lm_head + logsumexp chunk (-1: all of a micro-batch's at once)."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them."""
+    torch_compile: bool = False
+    """The decoder layers and the log-prob chunks through torch.compile (miles/train/compile.py)."""
     use_rollout_routing_replay: bool = False
     """MoE (R3): the policy's forwards route each token to the experts the engine chose for it."""
     max_tokens_per_gpu: int | None = None
@@ -120,7 +122,7 @@ class TrainConfig:
     def scoring_layout(self) -> dict:
         """How micro-batches are laid out and scored: the keywords of miles.train.batch's scoring
         functions, the same for the trainer and for the engine's true on-policy verifier."""
-        return dict(packed=self.qkv_format == "thd", chunk_size=self.log_probs_chunk_size)
+        return dict(packed=self.qkv_format == "thd", chunk_size=self.log_probs_chunk_size, compiled=self.torch_compile)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -263,7 +265,8 @@ def build_configs(args: argparse.Namespace) -> Configs:
             kl_coef=a.kl_coef, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
             use_tis=a.use_tis, tis_clip=a.tis_clip, calculate_per_token_loss=a.calculate_per_token_loss,
             qkv_format=a.qkv_format, log_probs_chunk_size=a.log_probs_chunk_size,
-            gradient_checkpointing=a.gradient_checkpointing, use_rollout_routing_replay=a.use_rollout_routing_replay,
+            gradient_checkpointing=a.gradient_checkpointing, torch_compile=a.trainer_torch_compile,
+            use_rollout_routing_replay=a.use_rollout_routing_replay,
             max_tokens_per_gpu=a.max_tokens_per_gpu if a.use_dynamic_batch_size else None,
             log_probs_max_tokens_per_gpu=a.log_probs_max_tokens_per_gpu if a.use_dynamic_batch_size else None),
         run=RunConfig(output_dir=a.output_dir, num_rollout=a.num_rollout, seed=a.seed, save=a.save,

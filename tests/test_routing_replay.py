@@ -178,6 +178,13 @@ def test_replay_on_a_dense_model_is_a_usage_error(tiny_args, tmp_path, capsys):
     assert "error: --use-rollout-routing-replay" in (tmp_path / "run" / "train.log").read_text()
 
 
+def test_trainer_torch_compile_on_an_moe_model_is_a_usage_error(moe_args, tmp_path, capsys):
+    assert main(moe_args + ["--trainer-torch-compile"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --trainer-torch-compile: MoE routers are hooked per micro-batch" in err
+    assert "error: --trainer-torch-compile" in (tmp_path / "run" / "train.log").read_text()
+
+
 @pytest.mark.parametrize("edit, fragment", [
     (lambda r: None, "has no rollout_routed_experts: the engine returned no MoE routes"),
     (lambda r: np.where(r == r.max(), 99, r).astype(np.int16), "expert id 99 out of range [0, 8)"),

@@ -192,3 +192,29 @@ def test_known_logit_transforms_are_applied(arch, tmp_path):
     with torch.no_grad():
         lp, _ = response_log_probs(model, batch, 1.0, packed=False)
     torch.testing.assert_close(lp, reference_log_probs(model, batch, 1.0)[0], atol=1e-5, rtol=0)
+
+
+def test_compiled_layers_and_chunks_compute_the_eager_log_probs_and_gradients(tiny_model):
+    """--trainer-torch-compile: the decoder layers and log-prob chunks run as compiled graphs (Inductor
+    on the CPU here) and give the eager path's log-probs and gradients within fp32 noise."""
+    from torch._dynamo.utils import counters
+
+    from miles.train import logprobs
+    from miles.train.compile import compile_layers
+
+    batch = TrainBatch.from_samples(samples(LENGTHS, seed=6), 0, "cpu")
+    eager = load_causal_lm(tiny_model, device="cpu", attention_backend="sdpa")
+    want_lp, want = grads_of(eager, batch, packed=True, chunk_size=5)
+    model = load_causal_lm(tiny_model, device="cpu", attention_backend="sdpa")
+    torch._dynamo.reset()
+    counters.clear()
+    logprobs._compiled_chunk.cache_clear()
+    assert compile_layers(model) == model.config.num_hidden_layers
+    lp, got = grads_of(model, batch, packed=True, chunk_size=5, compiled=True)
+    assert counters["stats"]["unique_graphs"] >= 2  # a decoder layer's graph and a chunk's
+    assert logprobs._compiled_chunk.cache_info().currsize == 1  # the chunks ran through the compiled function
+    assert all(layer._compiled_call_impl is not None for layer in model.model.layers)
+    torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=0)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert close_to_scale(got[name], want[name], tol=1e-4), name

@@ -90,7 +90,8 @@ def _routes(samples: list[Sample], width: int, device) -> torch.Tensor | None:
 
 
 def response_log_probs(model, batch: TrainBatch, temperature: float, *, packed: bool = True,
-                       chunk_size: int = LOG_PROBS_CHUNK_SIZE, with_entropy: bool = False, with_logits: bool = False):
+                       chunk_size: int = LOG_PROBS_CHUNK_SIZE, compiled: bool = False, with_entropy: bool = False,
+                       with_logits: bool = False):
     """Log-probs (B, R) of each response token under `model`, at the sampling temperature (0 past
     each row's response).
 
@@ -98,7 +99,7 @@ def response_log_probs(model, batch: TrainBatch, temperature: float, *, packed: 
     own position_ids, attending only within itself (train/attention.py); no padding is computed.
     Otherwise (bshd) the right-padded (B, L) batch runs with its attention mask. Either way only the
     response positions' hidden states go through lm_head, `chunk_size` of them at a time
-    (train/logprobs.py). The second value is, when asked, the entropy (B, R) of the next-token
+    (train/logprobs.py; each chunk through torch.compile when `compiled`). The second value is, when asked, the entropy (B, R) of the next-token
     distribution (no gradient), or the raw logits (B, R, V) at the response positions.
     """
     if packed:
@@ -108,7 +109,7 @@ def response_log_probs(model, batch: TrainBatch, temperature: float, *, packed: 
     rows = index[valid]  # (N,) positions in the flat token grid whose next token is scored
     log_probs, entropy, logits = chunked_log_probs(output_head(model), hidden[rows], flat_ids[rows + 1], temperature,
                                                    chunk_size=chunk_size, with_entropy=with_entropy,
-                                                   with_logits=with_logits)
+                                                   with_logits=with_logits, compiled=compiled)
     zeros = torch.zeros(valid.shape, device=valid.device)
     log_probs = zeros.masked_scatter(valid, log_probs)
     if with_logits:
@@ -153,7 +154,7 @@ def _packed_forward(model, batch: TrainBatch):
 @torch.no_grad()
 def score_rollout(model, batch: TrainBatch, micro_batch_size: int, temperature: float, autocast,
                   with_logits: bool = False, *, packed: bool = True, chunk_size: int = LOG_PROBS_CHUNK_SIZE,
-                  around: Callable[[TrainBatch], contextlib.AbstractContextManager] | None = None,
+                  compiled: bool = False, around: Callable[[TrainBatch], contextlib.AbstractContextManager] | None = None,
                   bounds: list[tuple[int, int]] | None = None):
     """The trainer's scoring pass: response log-probs (B, R), micro-batch by micro-batch (rows
     [start, stop) of `bounds`, or `micro_batch_size` rows each); each micro-batch's forward runs
@@ -168,7 +169,7 @@ def score_rollout(model, batch: TrainBatch, micro_batch_size: int, temperature: 
         mb = batch.rows(start, stop)
         with autocast(), (around(mb) if around is not None else contextlib.nullcontext()):
             lp, rows = response_log_probs(model, mb, temperature, packed=packed, chunk_size=chunk_size,
-                                          with_logits=with_logits)
+                                          compiled=compiled, with_logits=with_logits)
         log_probs.append(lp)
         logits.append(rows)
     return torch.cat(log_probs), (torch.cat(logits) if with_logits else None)
@@ -176,11 +177,11 @@ def score_rollout(model, batch: TrainBatch, micro_batch_size: int, temperature: 
 
 def score_sequences(model, sequences: list[list[int]], response_lengths: list[int], *, micro_batch_size: int,
                     temperature: float, pad_token_id: int, autocast, packed: bool = True,
-                    chunk_size: int = LOG_PROBS_CHUNK_SIZE):
+                    chunk_size: int = LOG_PROBS_CHUNK_SIZE, compiled: bool = False):
     """`score_rollout` over token sequences whose last response_lengths[i] tokens are the response:
     (log-probs (B, R), logits (B, R, V)), laid out exactly as in training."""
     samples = [Sample(group_index=0, index=i, prompt="", tokens=seq, response_length=n, loss_mask=[1] * n)
                for i, (seq, n) in enumerate(zip(sequences, response_lengths))]
     batch = TrainBatch.from_samples(samples, pad_token_id, next(model.parameters()).device)
     return score_rollout(model, batch, micro_batch_size, temperature, autocast, with_logits=True, packed=packed,
-                         chunk_size=chunk_size)
+                         chunk_size=chunk_size, compiled=compiled)

@@ -17,6 +17,7 @@ output by a forward hook that lives for that one call.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -100,17 +101,26 @@ def _chunk(head: OutputHead, hidden, targets, temperature: float, with_entropy: 
     return log_probs, entropy, (raw if with_logits else None)
 
 
+@functools.cache
+def _compiled_chunk():
+    """`_chunk` through torch.compile (--trainer-torch-compile): the temperature, logsumexp and gather
+    fuse into a few passes over the chunk's fp32 logits."""
+    return torch.compile(_chunk)
+
+
 def chunked_log_probs(head: OutputHead, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, *,
-                      chunk_size: int, with_entropy: bool = False, with_logits: bool = False):
+                      chunk_size: int, with_entropy: bool = False, with_logits: bool = False, compiled: bool = False):
     """Log-probs (N,) of `targets` under the logits of `hidden` (N, H), `chunk_size` rows at a time
-    (<= 0: all rows at once). Also the entropy (N,) (no gradient) and the raw logits (N, V) when asked."""
+    (<= 0: all rows at once), each chunk through torch.compile when `compiled`. Also the entropy (N,)
+    (no gradient) and the raw logits (N, V) when asked."""
+    chunk = _compiled_chunk() if compiled else _chunk
     n = hidden.shape[0]
     step = chunk_size if chunk_size > 0 else max(n, 1)
     recompute = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
     parts = []
     for start in range(0, n, step):
         args = (head, hidden[start:start + step], targets[start:start + step], temperature, with_entropy, with_logits)
-        parts.append(checkpoint(_chunk, *args, use_reentrant=False) if recompute else _chunk(*args))
+        parts.append(checkpoint(chunk, *args, use_reentrant=False) if recompute else chunk(*args))
     if not parts:  # no row to score
         parts.append(_chunk(head, hidden[:0], targets[:0], temperature, with_entropy, with_logits))
     log_probs = torch.cat([p[0] for p in parts])

@@ -40,6 +40,7 @@ from miles.errors import UsageError
 from miles.train import micro_batches
 from miles.train.advantages import ADVANTAGE_ESTIMATORS
 from miles.train.batch import TrainBatch, response_log_probs, score_rollout
+from miles.train.compile import compile_layers
 from miles.train.checkpoint import save_checkpoint
 from miles.train.logprobs import check_output_head
 from miles.train.losses import KL_ESTIMATORS, aggregate, masked_mean, policy_loss, tis_weights
@@ -88,8 +89,13 @@ class Trainer:
             raise UsageError(f"--use-rollout-routing-replay: the model ({model.config.model_type}) has no MoE routers "
                              f"miles can replay (families: {', '.join(routing.FAMILIES)}); drop the flag for a dense "
                              "model")
+        if cfg.torch_compile and self.moe is not None:
+            raise UsageError("--trainer-torch-compile: MoE routers are hooked per micro-batch (routing checks and "
+                             "replay), which compiled layers do not follow yet; drop the flag for an MoE model")
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(model)
+        if cfg.torch_compile:
+            compile_layers(model)
         self.matmul_params = matmul_parameters(model)
         self.model = shard(model).train()
         self.ref_model = shard(ref_model).eval() if ref_model is not None else None
