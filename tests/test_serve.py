@@ -457,8 +457,8 @@ def test_pause_abort_aborts_in_flight_and_new_requests_wait_until_continue(serve
 def test_pause_retract_or_in_place_then_continue_makes_the_same_tokens(server, mode):
     """retract frees the KV (flush_cache succeeds) and re-prefills on continue; in_place keeps the
     batch frozen (flush_cache fails). Either way the sequence continues its own random stream."""
-    alone = gen(server, long_body(f"ref-{mode}", tokens=120, seed=4))
-    long = start_running(server, long_body(f"paused-{mode}", tokens=120, seed=4))
+    alone = gen(server, long_body(f"ref-{mode}", seed=4))  # long enough to be running when the pause lands
+    long = start_running(server, long_body(f"paused-{mode}", seed=4))
     assert post(server, "/pause_generation", {"mode": mode}).status_code == 200
     made = info(server)["generated_tokens"]
     time.sleep(0.3)

@@ -54,7 +54,7 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if query.shape[0] != 1 or attention_mask is not None or dropout:
-        raise ValueError("packed attention takes one row, no attention mask and no dropout")
+    if query.shape[0] != 1 or attention_mask is not None:
+        raise ValueError("packed attention takes one row and no attention mask")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
-    return packed_causal_attention(q, k, v, cu_seq_lens, int(kwargs["max_length_q"]), scaling)[None], None
+    return packed_causal_attention(q, k, v, cu_seq_lens, int(kwargs["max_length_q"]), scaling, dropout)[None], None

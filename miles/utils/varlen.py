@@ -19,10 +19,11 @@ import torch.nn.functional as F
 
 
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor,
-                            max_len: int, scale: float | None) -> torch.Tensor:
-    """(T, Hq, D) attention outputs of the packed sequences, by the kernel `kernel_for` names."""
+                            max_len: int, scale: float | None, dropout: float = 0.0) -> torch.Tensor:
+    """(T, Hq, D) attention outputs of the packed sequences, by the kernel `kernel_for` names
+    (attention dropout `dropout`: SDPA's, so never the varlen kernel)."""
     q, k, v = _autocast(q, k, v)
-    kernel = kernel_for(q, scale)
+    kernel = kernel_for(q, scale, dropout)
     if kernel == "varlen_attn":
         flash = _flash_kwargs(q, scale)
         groups = q.shape[1] // k.shape[1]
@@ -30,17 +31,18 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         return _varlen_attn()(q, k, v.contiguous(), cu_seq_lens, cu_seq_lens, max_len, max_len, **flash)
     if kernel == "padded_sdpa":
-        return padded_causal_attention(q, k, v, cu_seq_lens, max_len, scale)
-    return per_sequence_attention(q, k, v, cu_seq_lens, scale)
+        return padded_causal_attention(q, k, v, cu_seq_lens, max_len, scale, dropout)
+    return per_sequence_attention(q, k, v, cu_seq_lens, scale, dropout)
 
 
-def kernel_for(q: torch.Tensor, scale: float | None) -> str:
+def kernel_for(q: torch.Tensor, scale: float | None, dropout: float = 0.0) -> str:
     """Which kernel packed attention of `q` (already in its compute dtype) runs: "varlen_attn" (torch's
-    FlashAttention-style varlen kernel: CUDA, bf16/fp16), "padded_sdpa" (other CUDA cases: one batched
-    SDPA beats a kernel launch per sequence there) or "per_sequence" (CPU, where the loop is faster)."""
+    FlashAttention-style varlen kernel: CUDA, bf16/fp16, no dropout), "padded_sdpa" (other CUDA cases:
+    one batched SDPA beats a kernel launch per sequence there) or "per_sequence" (CPU, where the loop is
+    faster)."""
     if not q.is_cuda:
         return "per_sequence"
-    return "varlen_attn" if _flash_kwargs(q, scale) is not None else "padded_sdpa"
+    return "varlen_attn" if not dropout and _flash_kwargs(q, scale) is not None else "padded_sdpa"
 
 
 def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -54,20 +56,20 @@ def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def per_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor,
-                           scale: float | None) -> torch.Tensor:
+                           scale: float | None, dropout: float = 0.0) -> torch.Tensor:
     """One `scaled_dot_product_attention(is_causal=True)` per sequence, (T, Hq, D)."""
     # split, not slices: split's backward is one cat, where each slice's would zero a full-size gradient
     lengths = cu_seq_lens.diff().tolist()
     gqa = q.shape[1] != k.shape[1]
     parts = [F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None],
                                             vs.transpose(0, 1)[None], is_causal=True, scale=scale,
-                                            enable_gqa=gqa)[0].transpose(0, 1)
+                                            dropout_p=dropout, enable_gqa=gqa)[0].transpose(0, 1)
              for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
     return torch.cat(parts)
 
 
 def padded_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor,
-                            max_len: int, scale: float | None) -> torch.Tensor:
+                            max_len: int, scale: float | None, dropout: float = 0.0) -> torch.Tensor:
     """The packed sequences scattered to a right-padded (N, H, max_len, D) grid, one batched
     `scaled_dot_product_attention(is_causal=True)` over it, and the real rows gathered back, (T, Hq, D).
     A causal query never sees the padding after its own sequence, so no mask is needed."""
@@ -80,7 +82,7 @@ def padded_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         out = x.new_zeros(n * max_len, *x.shape[1:]).index_copy(0, slot, x)
         return out.view(n, max_len, *x.shape[1:]).transpose(1, 2)
 
-    out = F.scaled_dot_product_attention(grid(q), grid(k), grid(v), is_causal=True, scale=scale,
+    out = F.scaled_dot_product_attention(grid(q), grid(k), grid(v), is_causal=True, scale=scale, dropout_p=dropout,
                                          enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2).reshape(n * max_len, *q.shape[1:])[slot]
 
