@@ -120,7 +120,8 @@ def test_cuda_decode_matches_the_eager_reference(tiny_model, cache):
     assert {o.finish_reason for o in got} == {"stop", "length"}
 
 
-def test_bf16_run_on_cuda(tiny_args):
-    rows = metrics(run(tiny_args, "--device", "cuda", "--check-weight-update-equal"))
+@pytest.mark.parametrize("extra", [[], ["--trainer-torch-compile"]])
+def test_bf16_run_on_cuda(tiny_args, extra):
+    rows = metrics(run(tiny_args, "--device", "cuda", "--check-weight-update-equal", *extra))
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["forward_logp_max_diff"] < 0.5 for r in rows)  # bf16 engine vs bf16-autocast trainer
