@@ -99,8 +99,9 @@ def response_log_probs(model, batch: TrainBatch, temperature: float, *, packed: 
     own position_ids, attending only within itself (train/attention.py); no padding is computed.
     Otherwise (bshd) the right-padded (B, L) batch runs with its attention mask. Either way only the
     response positions' hidden states go through lm_head, `chunk_size` of them at a time
-    (train/logprobs.py; each chunk through torch.compile when `compiled`). The second value is, when asked, the entropy (B, R) of the next-token
-    distribution (no gradient), or the raw logits (B, R, V) at the response positions.
+    (train/logprobs.py; each chunk through torch.compile when `compiled`). The second value is, when
+    asked, the entropy (B, R) of the next-token distribution (no gradient), or the raw logits (B, R, V)
+    at the response positions.
     """
     if packed:
         attention.use_packed_attention(model)  # idempotent; every packed scoring of a model uses the same kernel

@@ -40,8 +40,8 @@ from miles.errors import UsageError
 from miles.train import micro_batches
 from miles.train.advantages import ADVANTAGE_ESTIMATORS
 from miles.train.batch import TrainBatch, response_log_probs, score_rollout
-from miles.train.compile import compile_layers
 from miles.train.checkpoint import save_checkpoint
+from miles.train.compile import compile_layers
 from miles.train.logprobs import check_output_head
 from miles.train.losses import KL_ESTIMATORS, aggregate, masked_mean, policy_loss, tis_weights
 from miles.train.meter import StepMeter, matmul_parameters

@@ -74,9 +74,9 @@ def padded_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     `scaled_dot_product_attention(is_causal=True)` over it, and the real rows gathered back, (T, Hq, D).
     A causal query never sees the padding after its own sequence, so no mask is needed."""
     n, t = cu_seq_lens.numel() - 1, q.shape[0]
-    starts = cu_seq_lens[:-1].long()
-    seq = torch.searchsorted(cu_seq_lens[1:].long(), torch.arange(t, device=q.device), right=True)  # (T,)
-    slot = seq * max_len + torch.arange(t, device=q.device) - starts[seq]  # each token's row in the grid
+    tokens = torch.arange(t, device=q.device)
+    seq = torch.searchsorted(cu_seq_lens[1:].long(), tokens, right=True)  # (T,) each token's sequence
+    slot = seq * max_len + tokens - cu_seq_lens[:-1].long()[seq]  # each token's row in the grid
 
     def grid(x: torch.Tensor) -> torch.Tensor:
         out = x.new_zeros(n * max_len, *x.shape[1:]).index_copy(0, slot, x)
