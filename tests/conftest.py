@@ -39,3 +39,14 @@ def tiny_train_args(tiny_model, prompt_file, reward_module, output_dir) -> list[
 def tiny_args(tiny_model, prompt_file, reward_module, tmp_path):
     """Flags for a fast 2-step run of the tiny model; tests append or override."""
     return train_args(tiny_model, prompt_file, tmp_path / "run", reward_module)
+
+
+@pytest.fixture
+def deterministic_algorithms():
+    """torch's deterministic algorithms on (warn only, as the mode sets them), put back after."""
+    import torch
+
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])

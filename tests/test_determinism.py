@@ -96,3 +96,36 @@ def test_replay_hashes_match_live_from_the_rollout_on(reference_run, tiny_args, 
 def test_diff_runs_bad_input(tmp_path, capsys):
     assert main(["diff-runs", str(tmp_path), str(tmp_path)]) == 2
     assert "--debug-determinism" in capsys.readouterr().err
+
+
+def test_the_engine_decodes_without_the_modes_slow_kernels_on_the_main_thread_only(tiny_model,
+                                                                                   deterministic_algorithms):
+    """The mode's sort-based indexed writes and math SDPA are for the trainer's backward; the engine's
+    forward is lifted out of them while it decodes (miles.utils.forward_kernels), on the main thread
+    only, and the mode is back as it was after."""
+    import threading
+
+    import torch
+
+    from test_engine import make_engine, sp, uniforms
+
+    engine, _ = make_engine(tiny_model)
+    seen = []
+    inner = engine.decoder.decode
+
+    def decode(*a, **kw):
+        seen.append((torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.flash_sdp_enabled()))
+        return inner(*a, **kw)
+
+    engine.decoder.decode = decode
+    torch.backends.cuda.enable_flash_sdp(False)  # as the mode's math-kernel part leaves it
+    try:
+        engine.decode([[1, 2, 3]], sp(4, 1.0, 1.0), uniforms(4)[None])
+        worker = threading.Thread(target=engine.decode, args=([[1, 2, 3]], sp(4, 1.0, 1.0), uniforms(4)[None]))
+        worker.start()
+        worker.join()
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert not torch.backends.cuda.flash_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_flash_sdp(True)
+    assert seen == [(False, True), (True, False)]  # lifted on the main thread; as set in another

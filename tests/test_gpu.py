@@ -7,6 +7,7 @@ import torch
 
 from miles.rollout.local import LocalEngine
 from miles.utils.models import eos_token_ids, load_causal_lm, load_tokenizer
+from test_determinism import DET, hashes
 from test_engine import eager_decode, sp
 from test_train import metrics, run
 
@@ -125,3 +126,26 @@ def test_bf16_run_on_cuda(tiny_args, extra):
     rows = metrics(run(tiny_args, "--device", "cuda", "--check-weight-update-equal", *extra))
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["forward_logp_max_diff"] < 0.5 for r in rows)  # bf16 engine vs bf16-autocast trainer
+
+
+def test_under_the_mode_the_trainer_never_takes_varlen_and_the_engine_may(deterministic_algorithms):
+    """--deterministic-mode: the trainer's packed attention runs the padded grid (SDPA's math kernel
+    under the mode) since varlen_attn's backward accumulates with atomics; the engine's forward,
+    lifted out of the mode, keeps the fused kernel."""
+    from miles.utils import varlen
+    from miles.utils.forward_kernels import engine_forward
+
+    q = torch.zeros(8, 4, 64, dtype=torch.bfloat16, device="cuda")
+    assert varlen.kernel_for(q, None) == "padded_sdpa"
+    with engine_forward():
+        assert varlen.kernel_for(q, None) == ("varlen_attn" if varlen._varlen_attn() else "padded_sdpa")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_deterministic_run_on_cuda_repeats_bitwise(tiny_args, tmp_path, precision):
+    """Two --deterministic-mode runs on the GPU hash the same at every step, the engine lifted out of the
+    mode's kernels and the trainer in them."""
+    first = run(tiny_args, "--device", "cuda", "--precision", precision, *DET, "--output-dir", str(tmp_path / "a"))
+    second = run(tiny_args, "--device", "cuda", "--precision", precision, *DET, "--output-dir", str(tmp_path / "b"))
+    assert [r["step"] for r in hashes(first)] == [1, 2]
+    assert hashes(first) == hashes(second)

@@ -39,10 +39,13 @@ def kernel_for(q: torch.Tensor, scale: float | None, dropout: float = 0.0) -> st
     """Which kernel packed attention of `q` (already in its compute dtype) runs: "varlen_attn" (torch's
     FlashAttention-style varlen kernel: CUDA, bf16/fp16, no dropout), "padded_sdpa" (other CUDA cases:
     one batched SDPA beats a kernel launch per sequence there) or "per_sequence" (CPU, where the loop is
-    faster)."""
+    faster). Under torch's deterministic algorithms it is never "varlen_attn": its backward (flash or
+    cuDNN) accumulates with atomics, where the padded grid runs SDPA's kernel of the mode's choice."""
     if not q.is_cuda:
         return "per_sequence"
-    return "varlen_attn" if not dropout and _flash_kwargs(q, scale) is not None else "padded_sdpa"
+    if dropout or torch.are_deterministic_algorithms_enabled() or _flash_kwargs(q, scale) is None:
+        return "padded_sdpa"
+    return "varlen_attn"
 
 
 def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -35,6 +35,7 @@ from miles.rollout.local.runner import ModelRunner, unsupported_reason
 from miles.rollout.sampling import stream_uniforms
 from miles.utils import device_memory
 from miles.utils.digest import tensor_bytes_sha256
+from miles.utils.forward_kernels import engine_forward
 
 logger = logging.getLogger("miles")
 
@@ -200,4 +201,5 @@ class LocalEngine:
         """The KV-cache decode of `prompts` driven by `uniforms` (B, T); row i makes at most limits[i] tokens."""
         if self.released:
             raise RuntimeError("the engine's memory is released (release_memory): call resume_memory first")
-        return self.decoder.decode(prompts, sampling, uniforms, progress, limits, self.weight_version)
+        with engine_forward():  # under --deterministic-mode: the kernels a forward needs, not the backward's
+            return self.decoder.decode(prompts, sampling, uniforms, progress, limits, self.weight_version)

@@ -1,0 +1,48 @@
+"""The engine's forward under --deterministic-mode, without the mode's slow kernels it does not need.
+
+The mode (miles.debug.determinism) makes the whole process take deterministic kernels, for the
+trainer's backward: `torch.use_deterministic_algorithms` turns every indexed write into a
+sort-based kernel (so that writes to one element land in the same order each run) and SDPA runs
+its math kernel (the flash and memory-efficient backwards accumulate with atomics). The engine's
+decode needs neither, and `engine_forward()` lifts both while it runs:
+  - its indexed writes never have two writes to one kept element: a KV-cache column per slot and
+    position, a token per request and step; the finished rows' writes meet only in the absorbing
+    row and column the decode loop never reads. So the plain kernel leaves the same kept values
+    every run.
+  - it runs no backward, and every fused SDPA forward (flash, memory-efficient, cuDNN; torch's
+    `varlen_attn` runs flash or cuDNN) is deterministic: only their backwards accumulate with
+    atomics (PyTorch's notes on randomness).
+
+The switches are process-wide, so they are lifted only on the main thread: with --async the
+engine decodes in a thread while the trainer's backward runs on the main one, and there the
+engine keeps the mode's kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+def lifted() -> bool:
+    """Whether engine_forward() lifts the mode's switches here (the mode is on, on the main thread)."""
+    return torch.are_deterministic_algorithms_enabled() and threading.current_thread() is threading.main_thread()
+
+
+@contextlib.contextmanager
+def engine_forward() -> Iterator[None]:
+    if not lifted():
+        yield
+        return
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                          SDPBackend.MATH]):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)
