@@ -57,7 +57,7 @@ def _cudnn() -> str:
 def _sdpa_math() -> str:
     # Flash and memory-efficient SDPA backwards accumulate with atomics unless torch's deterministic
     # mode is strict (warn_only=False), which this mode cannot be: float cumsum on CUDA (the sampler's
-    # CDF, REINFORCE++'s returns) has no deterministic kernel and would raise. cuDNN SDPA is never
+    # CDF, REINFORCE++'s returns) has no deterministic kernel and would raise. cuDNN SDPA's backward is never
     # deterministic. The math kernel is, forward and backward. The engine's decode, which runs forwards
     # only, is lifted out of this and of the sort-based indexed writes (miles.utils.forward_kernels).
     torch.backends.cuda.enable_flash_sdp(False)
