@@ -359,14 +359,17 @@ def train_samples(rows: int, prompt_len: int, new_tokens: int, vocab: int, group
             for i, t in enumerate(tokens)]
 
 
-def make_trainer(model, rows: int, micro_batch: int, group: int, precision: str):
+def make_trainer(model, rows: int, micro_batch: int, group: int, precision: str, args=None):
+    """miles' Trainer on `model`; `args` (speed.py's) adds --trainer-torch-compile and --max-tokens-per-gpu."""
     from miles.config import TrainConfig
     from miles.train.trainer import Trainer
 
     cfg = TrainConfig(num_steps_per_rollout=1, global_batch_size=rows, micro_batch_size=micro_batch, lr=1e-6,
                       weight_decay=0.0, clip_grad=1.0, advantage_estimator="grpo", eps_clip=0.2, eps_clip_high=0.2,
                       kl_coef=0.0, use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="k1", use_tis=False,
-                      tis_clip=2.0, calculate_per_token_loss=False)
+                      tis_clip=2.0, calculate_per_token_loss=False,
+                      torch_compile=bool(args and args.trainer_torch_compile),
+                      max_tokens_per_gpu=args.max_tokens_per_gpu if args else None)
     return Trainer(cfg, model, None, temperature=1.0, group_size=group, pad_token_id=0, precision=precision)
 
 
@@ -376,7 +379,7 @@ def peak_gib(device: str) -> float | None:
 
 def time_trainer(ctx, model, samples) -> tuple[list[float], float | None]:
     """Trainer.train tok/s over `samples` (after a warm-up call) and the peak memory, GiB."""
-    t = make_trainer(model, len(samples), ctx.sizes.micro_batch, ctx.sizes.group, ctx.precision)
+    t = make_trainer(model, len(samples), ctx.sizes.micro_batch, ctx.sizes.group, ctx.precision, ctx.args)
     t.train(samples)
     free(ctx.device)
     times = repeat(lambda: t.train(samples), ctx.repeats, ctx.clock, ctx.device)
@@ -456,7 +459,7 @@ def time_miles_grpo(ctx, texts: list[str]) -> tuple[list[float], dict[str, list[
     dataset = PromptDataset([PromptRecord(x, None) for x in texts], shuffle=False, seed=0)
     source = LiveRollout(cfg, local, ctx.tokenizer, dataset, lambda sample: even_share(sample.response_tokens),
                          apply_chat_template=False, seed=0)
-    t = make_trainer(ctx.train_model, s.grpo_prompts * s.group, s.micro_batch, s.group, ctx.precision)
+    t = make_trainer(ctx.train_model, s.grpo_prompts * s.group, s.micro_batch, s.group, ctx.precision, ctx.args)
     transport = InProcessTransport(local)
     phases = {"generate+reward": [], "train": [], "sync": []}
 
@@ -706,6 +709,15 @@ class Context:
         return path
 
 
+def miles_flags(args) -> str:
+    """The options of miles' side this run took (they change its figures, so the header says them)."""
+    flags = [name for name, on in (("--enable-torch-compile", args.enable_torch_compile),
+                                   ("--trainer-torch-compile", args.trainer_torch_compile)) if on]
+    if args.max_tokens_per_gpu:
+        flags.append(f"--use-dynamic-batch-size --max-tokens-per-gpu {args.max_tokens_per_gpu}")
+    return " ".join(flags) or "none"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -720,6 +732,11 @@ def main() -> None:
                          "per_device_train_batch_size alike (default: 8 on cuda, 4 on cpu)")
     ap.add_argument("--enable-torch-compile", action="store_true",
                     help="the GRPO section's engine with torch.compile'd layer functions (miles train's flag)")
+    ap.add_argument("--trainer-torch-compile", action="store_true",
+                    help="miles' Trainer (trainer and GRPO sections) with --trainer-torch-compile")
+    ap.add_argument("--max-tokens-per-gpu", type=int, default=None,
+                    help="miles' Trainer with --use-dynamic-batch-size --max-tokens-per-gpu N (the alternatives keep "
+                         "--micro-batch)")
     ap.add_argument("--vllm-python", default=None, help="a vLLM install's Python: adds the vllm section (cpu)")
     args = ap.parse_args()
     sections = [x for x in args.only.split(",") if x]
@@ -734,7 +751,7 @@ def main() -> None:
     import transformers
 
     say(f"# speed.py on {ctx.device_name}: torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"{torch.get_num_threads()} threads; sizes {ctx.sizes}; repeats {args.repeats}")
+        f"{torch.get_num_threads()} threads; sizes {ctx.sizes}; repeats {args.repeats}; miles flags: {miles_flags(args)}")
     if sections[0] != "ceilings" and "ceilings" in sections:
         sections.remove("ceilings")
         sections.insert(0, "ceilings")

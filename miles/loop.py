@@ -421,7 +421,8 @@ def build_trainer(cfg: Configs, weights: Path, base: Path, tokenizer) -> Trainer
     ref = load_causal_lm(cfg.model.ref_load or base, **load) if cfg.train.needs_ref else None
     return Trainer(cfg.train, policy, ref, temperature=cfg.rollout.sampling.temperature,
                    group_size=cfg.rollout.n_samples_per_prompt, pad_token_id=tokenizer.pad_token_id,
-                   precision=cfg.model.precision, record_hashes=cfg.debug.debug_determinism)
+                   precision=cfg.model.precision, record_hashes=cfg.debug.debug_determinism,
+                   strict_deterministic_backward=not cfg.cluster.async_rollout)
 
 
 def _worker_preparation(cfg: Configs):

@@ -129,3 +129,40 @@ def test_the_engine_decodes_without_the_modes_slow_kernels_on_the_main_thread_on
     finally:
         torch.backends.cuda.enable_flash_sdp(True)
     assert seen == [(False, True), (True, False)]  # lifted on the main thread; as set in another
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_the_trainer_runs_its_forward_and_backward_strict_with_flash_allowed(tiny_model, prompt_file,
+                                                                            deterministic_algorithms, strict):
+    """Under the mode the trainer's forward/backward run with torch's deterministic algorithms strict and
+    SDPA's flash kernel allowed (FlashAttention's backward is deterministic only when strict), and the
+    mode is back as the mode set it after; with --async (an engine sampling in the process meanwhile,
+    strict_deterministic_backward=False) nothing changes."""
+    import torch
+
+    from miles.train.trainer import Trainer
+    from miles.utils.models import load_causal_lm
+    from test_seams import live, train_cfg
+
+    model = load_causal_lm(tiny_model, device="cpu", attention_backend="sdpa")
+    trainer = Trainer(train_cfg(), model, None, temperature=1.0, group_size=3, pad_token_id=1, precision="fp32",
+                      strict_deterministic_backward=strict)
+    seen = []
+    inner = trainer._strict_forward_backward
+
+    def forward_backward(*a, **kw):
+        seen.append((torch.is_deterministic_algorithms_warn_only_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+                     torch.backends.cuda.mem_efficient_sdp_enabled()))
+        return inner(*a, **kw)
+
+    trainer._strict_forward_backward = forward_backward
+    for enable in (torch.backends.cuda.enable_flash_sdp, torch.backends.cuda.enable_mem_efficient_sdp):
+        enable(False)  # as the mode's math-kernel part leaves them
+    try:
+        trainer.train(live(tiny_model, prompt_file).generate(0).samples)
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert not torch.backends.cuda.flash_sdp_enabled()
+    finally:
+        for enable in (torch.backends.cuda.enable_flash_sdp, torch.backends.cuda.enable_mem_efficient_sdp):
+            enable(True)
+    assert seen and set(seen) == ({(False, True, False)} if strict else {(True, False, False)})

@@ -149,3 +149,39 @@ def test_a_deterministic_run_on_cuda_repeats_bitwise(tiny_args, tmp_path, precis
     second = run(tiny_args, "--device", "cuda", "--precision", precision, *DET, "--output-dir", str(tmp_path / "b"))
     assert [r["step"] for r in hashes(first)] == [1, 2]
     assert hashes(first) == hashes(second)
+
+
+def test_under_the_mode_the_trainers_attention_backward_is_flash_and_repeats_bitwise(deterministic_algorithms):
+    """--deterministic-mode, bf16: inside strict_backward the trainer's packed attention (the padded grid)
+    runs FlashAttention forward and backward, strict, so dQ is not accumulated with atomics: two
+    backwards give bitwise equal gradients. Outside it the mode's math kernel runs."""
+    from miles.utils import varlen
+    from miles.utils.forward_kernels import strict_backward
+
+    torch.backends.cuda.enable_flash_sdp(False)  # as the mode's math-kernel part leaves them
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        lengths = [700, 1024, 300, 900]
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        q, k, v = (torch.randn(sum(lengths), h, 64, generator=g, device="cuda", dtype=torch.bfloat16)
+                   for h in (14, 2, 2))
+
+        def grads():
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                out = varlen.packed_causal_attention(*leaves, cu, max(lengths), None)
+                out.float().square().sum().backward()
+            return [t.grad for t in leaves], {e.key for e in prof.key_averages()}
+
+        with strict_backward():
+            (first, ops), (second, _) = grads(), grads()
+        assert "aten::_scaled_dot_product_flash_attention_backward" in ops
+        assert all(torch.equal(a, b) for a, b in zip(first, second))
+        _, outside = grads()
+        assert "aten::_scaled_dot_product_flash_attention_backward" not in outside
+    finally:
+        torch.backends.cuda.enable_flash_sdp(True)
+        torch.backends.cuda.enable_mem_efficient_sdp(True)
+        torch.backends.cuda.enable_cudnn_sdp(True)

@@ -56,10 +56,11 @@ def _cudnn() -> str:
 
 def _sdpa_math() -> str:
     # Flash and memory-efficient SDPA backwards accumulate with atomics unless torch's deterministic
-    # mode is strict (warn_only=False), which this mode cannot be: float cumsum on CUDA (the sampler's
-    # CDF, REINFORCE++'s returns) has no deterministic kernel and would raise. cuDNN SDPA's backward is never
-    # deterministic. The math kernel is, forward and backward. The engine's decode, which runs forwards
-    # only, is lifted out of this and of the sort-based indexed writes (miles.utils.forward_kernels).
+    # mode is strict (warn_only=False), which this mode cannot be process-wide: float cumsum on CUDA (the
+    # sampler's CDF, REINFORCE++'s returns) has no deterministic kernel and would raise. cuDNN SDPA's
+    # backward is never deterministic. The math kernel is, forward and backward. Two places leave it
+    # (miles.utils.forward_kernels): the engine's decode, which runs forwards only, and the trainer's
+    # forward/backward, which runs strict with the flash kernel.
     torch.backends.cuda.enable_flash_sdp(False)
     torch.backends.cuda.enable_mem_efficient_sdp(False)
     torch.backends.cuda.enable_cudnn_sdp(False)

@@ -48,6 +48,7 @@ from miles.train.meter import StepMeter, matmul_parameters
 from miles.train.parallel import (SingleRank, full_named_parameters, local_numel, optimizer_state_by_name,
                                   optimizer_state_by_number)
 from miles.utils.digest import bytes_digest16, named_tensors_digest16, tensor_bytes_sha256
+from miles.utils.forward_kernels import strict_backward
 from miles.utils.progress import Progress
 
 
@@ -72,10 +73,12 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, model, ref_model, *, temperature: float, group_size: int, pad_token_id: int,
                  precision: str, record_hashes: bool = False,
                  parallelize: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
-                 ranks: SingleRank | None = None):
+                 ranks: SingleRank | None = None, strict_deterministic_backward: bool = True):
         """`temperature` is the rollout's sampling temperature (tokens are scored at it);
         `group_size` its samples per prompt; `record_hashes` (--debug-determinism) adds digests;
-        `parallelize` shards policy and reference alike."""
+        `parallelize` shards policy and reference alike. Under --deterministic-mode each forward/backward
+        runs strict (miles.utils.forward_kernels.strict_backward) unless `strict_deterministic_backward`
+        is False: where an engine samples in this process meanwhile (--async), whose kernels strict refuses."""
         self.cfg = cfg
         self.ranks = ranks or SingleRank()
         self.sharded = parallelize is not None
@@ -105,6 +108,7 @@ class Trainer:
         self.device = next(self.model.parameters()).device
         self.precision = precision
         self.record_hashes = record_hashes
+        self.strict_backward = strict_backward if strict_deterministic_backward else contextlib.nullcontext
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     def autocast(self):
@@ -302,6 +306,11 @@ class Trainer:
             return self._forward_backward(mb, advantages, old_log_probs, ref_log_probs, agg)
 
     def _forward_backward(self, mb: TrainBatch, advantages, old_log_probs, ref_log_probs, agg) -> dict[str, float]:
+        with self.strict_backward():
+            return self._strict_forward_backward(mb, advantages, old_log_probs, ref_log_probs, agg)
+
+    def _strict_forward_backward(self, mb: TrainBatch, advantages, old_log_probs, ref_log_probs,
+                                 agg) -> dict[str, float]:
         cfg = self.cfg
         with self.autocast():
             log_probs, entropy = response_log_probs(self.model, mb, self.temperature, with_entropy=True,

@@ -1,4 +1,5 @@
-"""The engine's forward under --deterministic-mode, without the mode's slow kernels it does not need.
+"""Kernels under --deterministic-mode: the engine's forward without the mode's slow kernels it does
+not need, and the trainer's forward/backward with FlashAttention's deterministic backward.
 
 The mode (miles.debug.determinism) makes the whole process take deterministic kernels, for the
 trainer's backward: `torch.use_deterministic_algorithms` turns every indexed write into a
@@ -16,6 +17,15 @@ decode needs neither, and `engine_forward()` lifts both while it runs:
 The switches are process-wide, so they are lifted only on the main thread: with --async the
 engine decodes in a thread while the trainer's backward runs on the main one, and there the
 engine keeps the mode's kernels.
+
+The trainer needs a deterministic backward, which the mode's math SDPA kernel gives at a price
+(it materialises every (L, L) score matrix). FlashAttention's backward is deterministic too when
+torch's deterministic algorithms are strict (warn_only=False; it accumulates dQ with atomics
+otherwise). The mode cannot be strict process-wide: the sampler's float cumsum on CUDA has no
+deterministic kernel and would raise. `strict_backward()` makes it strict for the trainer's
+forward and backward alone, and lets SDPA take flash there (math where flash cannot run: fp32,
+masks); memory-efficient and cuDNN SDPA stay off (their backwards are never deterministic). The
+trainer enters it only where no engine samples in the process at the same time (not with --async).
 """
 
 from __future__ import annotations
@@ -46,3 +56,18 @@ def engine_forward() -> Iterator[None]:
             yield
     finally:
         torch.use_deterministic_algorithms(True, warn_only=warn_only)
+
+
+@contextlib.contextmanager
+def strict_backward() -> Iterator[None]:
+    """The trainer's forward and backward under --deterministic-mode: strict deterministic algorithms
+    and SDPA's flash kernel (its deterministic backward) or math; nothing changes outside the mode."""
+    if not (torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()):
+        yield
+        return
+    torch.use_deterministic_algorithms(True, warn_only=False)
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(True, warn_only=True)
