@@ -83,6 +83,8 @@ def main() -> None:
                    help="fast,fast-eager,fast-compiled,miles-hf,hf-generate")
     p.add_argument("--profile", type=int, default=0, metavar="B",
                    help="profile one fast-eager generate at batch B first: top CUDA kernels")
+    p.add_argument("--profile-compiled", action="store_true",
+                   help="--profile's engines with torch.compile'd layer functions (--enable-torch-compile)")
     p.add_argument("--compiled", action="store_true", help="add HF generate with a static cache under torch.compile")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -156,7 +158,8 @@ def profile(model, config, args, sampling) -> None:
     batch = args.profile
     prompts = torch.randint(0, config.vocab_size, (batch, args.prompt_len), generator=torch.Generator().manual_seed(0))
     for graphs in (False, True):
-        engine = LocalEngine(model, eos_token_ids=[], pad_token_id=0, cuda_graphs=graphs)
+        engine = LocalEngine(model, eos_token_ids=[], pad_token_id=0, cuda_graphs=graphs,
+                             compile=args.profile_compiled)
         engine.generate(prompts.tolist(), sampling, list(range(batch)))
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -167,7 +170,7 @@ def profile(model, config, args, sampling) -> None:
         events = prof.key_averages()
         gpu = sum(e.self_device_time_total for e in events) / 1e6
         launches = sum(e.count for e in events if e.device_type.name == "CUDA")
-        print(f"profile batch {batch}, graphs {graphs}: wall {wall:.3f} s (profiled), GPU busy {gpu:.3f} s, "
+        print(f"profile batch {batch}, graphs {graphs}, compiled {args.profile_compiled}: wall {wall:.3f} s (profiled), GPU busy {gpu:.3f} s, "
               f"{launches} kernels", flush=True)
         print(events.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60), flush=True)
 
