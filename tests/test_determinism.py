@@ -166,3 +166,16 @@ def test_the_trainer_runs_its_forward_and_backward_strict_with_flash_allowed(tin
         for enable in (torch.backends.cuda.enable_flash_sdp, torch.backends.cuda.enable_mem_efficient_sdp):
             enable(True)
     assert seen and set(seen) == ({(False, True, False)} if strict else {(True, False, False)})
+
+
+def test_an_moe_trainer_keeps_the_modes_warn_only_kernels(deterministic_algorithms):
+    """MoE layers count tokens per expert with torch.histc (no deterministic CUDA kernel), so an MoE
+    trainer never enters strict mode: its forward/backward keep the mode's warn-only kernels."""
+    from miles.testing.tiny import build_moe_model
+    from miles.train.trainer import Trainer
+    from miles.utils.forward_kernels import strict_backward
+    from test_seams import train_cfg
+
+    moe = Trainer(train_cfg(), build_moe_model(), None, temperature=1.0, group_size=3, pad_token_id=1,
+                  precision="fp32")
+    assert moe.moe is not None and moe.strict_backward is not strict_backward

@@ -78,7 +78,8 @@ class Trainer:
         `group_size` its samples per prompt; `record_hashes` (--debug-determinism) adds digests;
         `parallelize` shards policy and reference alike. Under --deterministic-mode each forward/backward
         runs strict (miles.utils.forward_kernels.strict_backward) unless `strict_deterministic_backward`
-        is False: where an engine samples in this process meanwhile (--async), whose kernels strict refuses."""
+        is False (where an engine samples in this process meanwhile, --async: kernels strict refuses) or the
+        model is MoE."""
         self.cfg = cfg
         self.ranks = ranks or SingleRank()
         self.sharded = parallelize is not None
@@ -108,7 +109,10 @@ class Trainer:
         self.device = next(self.model.parameters()).device
         self.precision = precision
         self.record_hashes = record_hashes
-        self.strict_backward = strict_backward if strict_deterministic_backward else contextlib.nullcontext
+        # MoE layers count tokens per expert with torch.histc, which has no deterministic CUDA kernel:
+        # strict mode would raise there, so MoE models keep the mode's warn-only kernels (math SDPA).
+        strict = strict_deterministic_backward and self.moe is None
+        self.strict_backward = strict_backward if strict else contextlib.nullcontext
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     def autocast(self):
