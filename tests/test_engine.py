@@ -253,3 +253,29 @@ def test_kv_cache_decode_matches_the_eager_reference(tiny_model, tiny_qwen, path
     assert {o.finish_reason for o in got} == {"stop", "length"} or temperature == 0 or model_kind == "qwen2"
     if path == "fast, 3 slots":
         assert engine.runner.cache.slots == 3
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_compiled_sampler_draws_what_the_eager_one_draws(temperature):
+    """--enable-torch-compile's sampler (the plain path fused by torch.compile) draws the eager sampler's
+    tokens from the same logits and uniforms, with its log-probs, on a vocabulary that is no multiple of
+    the CDF's blocks; top-p goes to the eager path."""
+    from miles.rollout.sampling import compiled_sample_tokens
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 1000, generator=g) * 3
+    u = torch.rand(6, generator=g, dtype=torch.float64)
+    tok, logp = sample_tokens(logits, sp(1, temperature, 1.0), u)
+    fused_tok, fused_logp = compiled_sample_tokens(logits, sp(1, temperature, 1.0), u)
+    assert torch.equal(fused_tok, tok)
+    torch.testing.assert_close(fused_logp, logp, rtol=0, atol=1e-5)
+    top_p = compiled_sample_tokens(logits, sp(1, temperature, 0.5), u)
+    assert all(torch.equal(a, b) for a, b in zip(top_p, sample_tokens(logits, sp(1, temperature, 0.5), u)))
+
+
+def test_the_fast_path_samples_with_the_compiled_sampler_under_compile(tiny_model):
+    from miles.rollout.sampling import compiled_sample_tokens
+
+    model = load_causal_lm(tiny_model, device="cpu", attention_backend="sdpa")
+    assert LocalEngine(model, eos_token_ids=[], pad_token_id=0, compile=True).decoder.sample is compiled_sample_tokens
+    assert LocalEngine(model, eos_token_ids=[], pad_token_id=0).decoder.sample is sample_tokens

@@ -20,6 +20,7 @@ to zero-width intervals. With top-p or top-k the truncated distribution is built
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import torch
@@ -90,6 +91,33 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, uniforms: torc
     target = uniforms.to(cdf.device, torch.float64)[:, None] * cdf[:, -1:]
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
     return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def compiled_sample_tokens(logits: torch.Tensor, sampling: SamplingParams, uniforms: torch.Tensor | None, *,
+                           top_k: int | None = None):
+    """`sample_tokens` with the plain path (temperature > 0, no top-p or top-k: what `miles train`
+    samples with) through torch.compile: the cast, temperature, logsumexp and the blocked inverse CDF
+    run as a few fused kernels that read the logits instead of writing a float32 copy of the whole
+    vocabulary and re-reading it pass by pass. The fast path's sampler under --enable-torch-compile.
+    The arithmetic is sample_tokens'; Inductor's kernels may round an exp or a sum differently in the
+    last bit, so a draw within that of a CDF boundary can differ from the eager path's."""
+    if sampling.temperature == 0 or sampling.top_p < 1.0 or (top_k is not None and top_k < logits.shape[-1]):
+        return sample_tokens(logits, sampling, uniforms, top_k=top_k)
+    return _compiled_plain()(logits, uniforms.to(logits.device, torch.float64), sampling.temperature)
+
+
+def _plain_sample(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float):
+    log_probs = logits.float()
+    if temperature != 1.0:
+        log_probs = log_probs / temperature
+    log_probs = log_probs - log_probs.logsumexp(-1, keepdim=True)
+    tokens = _blocked_inverse_cdf(log_probs, uniforms)
+    return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+@functools.cache
+def _compiled_plain():
+    return torch.compile(_plain_sample, dynamic=True)
 
 
 BLOCK = 128

@@ -32,15 +32,16 @@ import torch
 from miles.config import SamplingParams
 from miles.rollout.engine import GenerationOutput
 from miles.rollout.local.runner import ModelRunner, bucket
-from miles.rollout.sampling import sample_tokens
+from miles.rollout.sampling import compiled_sample_tokens, sample_tokens
 
 logger = logging.getLogger("miles")
 
 
 class ContinuousBatcher:
     def __init__(self, runner: ModelRunner, *, eos_token_ids: list[int], pad_token_id: int, check_every: int,
-                 max_slots: Callable[[int], int], prefill_tokens: int):
+                 max_slots: Callable[[int], int], prefill_tokens: int, compile_sampler: bool = False):
         self.runner = runner
+        self.sample = compiled_sample_tokens if compile_sampler else sample_tokens
         self.pad_token_id = pad_token_id
         self.check_every = check_every
         self.max_slots = max_slots  # slot length -> the most slots the KV budget holds
@@ -179,7 +180,7 @@ class _Call:
         finished and free slots write only to the absorbing row and column."""
         live = ~self.done[slots]
         req, made = self.req[slots], self.made[slots]
-        tok, logp = sample_tokens(logits, self.sampling, self.uniforms[req, made])
+        tok, logp = self.b.sample(logits, self.sampling, self.uniforms[req, made])
         tok = tok.masked_fill(~live, self.b.pad_token_id)
         col = torch.where(live, made, self.steps)
         self.tokens[req, col] = tok

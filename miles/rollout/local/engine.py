@@ -75,7 +75,7 @@ class LocalEngine:
         """`decoder`: fast | hf (DECODERS; fast falls back to hf for a model it cannot run);
         `cache`: the hf path's cache (decode.CACHES); `cuda_graphs`: the fast path's capture on a GPU
         (off under an autocast context: true on-policy mode); `compile`: the fast path's layer
-        functions through torch.compile; `mem_fraction`: the GPU share for
+        functions and its sampler through torch.compile; `mem_fraction`: the GPU share for
         weights and KV cache (default DEFAULT_MEM_FRACTION)."""
         if decoder not in DECODERS:
             raise ValueError(f"unknown decoder {decoder!r}; one of {DECODERS}")
@@ -98,7 +98,8 @@ class LocalEngine:
                                       compile=compile)
             self.decoder = ContinuousBatcher(self.runner, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
                                              check_every=check_every, max_slots=self._max_slots,
-                                             prefill_tokens=PREFILL_TOKENS.get(self.device.type, 4096))
+                                             prefill_tokens=PREFILL_TOKENS.get(self.device.type, 4096),
+                                             compile_sampler=compile)
         else:
             self.decoder = Decoder(model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, cache=cache,
                                    stop_check_every=check_every)
