@@ -117,8 +117,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-cuda-graph", action="store_true",
                    help="the local engine's decode steps run eagerly instead of as CUDA graph replays (as SGLang's flag)")
     g.add_argument("--enable-torch-compile", action="store_true",
-                   help="the local engine's layers through torch.compile (fused elementwise kernels; compiles once at "
-                        "the first rollout; as SGLang's flag)")
+                   help="the local engine's layers and sampler through torch.compile (fused elementwise kernels; "
+                        "compiles once at the first rollout; as SGLang's flag)")
     g.add_argument("--engine-start-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="seconds a server miles starts may take to answer its health check (default: 600)")
 
