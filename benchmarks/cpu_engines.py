@@ -7,6 +7,8 @@ The workload of benchmarks/engines.py: the demo model (fp32), the demo task's fi
   local         LocalEngine(model, ...).generate in a fresh process set up as `miles train` sets
                 itself up on a CPU (miles.utils.cpu_threads: OMP_WAIT_POLICY=PASSIVE before torch
                 loads, a thread per core); its `CPU threads:` line is printed;
+  local-compiled the same with --enable-torch-compile (layer functions and sampler compiled; a first
+                full-size generate, untimed, compiles them);
   local-torch   the same with torch's defaults (a thread per core, spin-waiting): the old behaviour;
   vllm-eager    a vLLM server (`--enforce-eager`, fp32, its default thread binding) through
                 --rollout-backend vllm's client (one request per sample);
@@ -34,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_TASK = str(ROOT / "miles/data/tasks/arithmetic.jsonl")
-LABELS = {"local": "local (miles threads)", "local-torch": "local (torch defaults)",
+LABELS = {"local": "local (miles threads)", "local-compiled": "local compiled", "local-torch": "local (torch defaults)",
           "vllm-eager": "vLLM eager", "vllm-compiled": "vLLM compiled"}
 
 
@@ -66,13 +68,13 @@ def timed(engine, prompts, sampling, seeds, repeats: int, max_seconds: float) ->
 def child(kind: str, args: argparse.Namespace) -> None:
     """One local row, in this fresh process: prints a JSON line with its rates and thread line."""
     line = "torch defaults"
-    if kind == "local":
+    if kind in ("local", "local-compiled"):
         from miles.utils.cpu_threads import set_wait_policy
 
         set_wait_policy()  # before torch loads, as `miles train` does
     import torch
 
-    if kind == "local":
+    if kind in ("local", "local-compiled"):
         from miles.utils.cpu_threads import setup_cpu_threads
 
         line = setup_cpu_threads().line()
@@ -83,7 +85,11 @@ def child(kind: str, args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(model_dir)
     prompts, sampling, seeds = workload(tokenizer, args.prompts, args.new_tokens)
     model = load_causal_lm(model_dir, dtype=torch.float32, device="cpu", attention_backend="sdpa")
-    engine = LocalEngine(model, eos_token_ids=eos_token_ids(model, tokenizer), pad_token_id=tokenizer.pad_token_id)
+    compiled = kind == "local-compiled"
+    engine = LocalEngine(model, eos_token_ids=eos_token_ids(model, tokenizer), pad_token_id=tokenizer.pad_token_id,
+                         compile=compiled)
+    if compiled:  # the compile itself, at this batch, outside the timed runs
+        engine.generate(prompts, sampling, seeds)
     rates = timed(engine, prompts, sampling, seeds, args.repeats, args.max_seconds)
     print(json.dumps({"rates": rates, "threads": f"{line}; torch threads {torch.get_num_threads()}"}), flush=True)
 
