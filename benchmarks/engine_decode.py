@@ -170,8 +170,8 @@ def profile(model, config, args, sampling) -> None:
         events = prof.key_averages()
         gpu = sum(e.self_device_time_total for e in events) / 1e6
         launches = sum(e.count for e in events if e.device_type.name == "CUDA")
-        print(f"profile batch {batch}, graphs {graphs}, compiled {args.profile_compiled}: wall {wall:.3f} s (profiled), GPU busy {gpu:.3f} s, "
-              f"{launches} kernels", flush=True)
+        print(f"profile batch {batch}, graphs {graphs}, compiled {args.profile_compiled}: wall {wall:.3f} s "
+              f"(profiled), GPU busy {gpu:.3f} s, {launches} kernels", flush=True)
         print(events.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60), flush=True)
 
 

@@ -148,14 +148,14 @@ def test_the_trainer_runs_its_forward_and_backward_strict_with_flash_allowed(tin
     trainer = Trainer(train_cfg(), model, None, temperature=1.0, group_size=3, pad_token_id=1, precision="fp32",
                       strict_deterministic_backward=strict)
     seen = []
-    inner = trainer._strict_forward_backward
+    inner = trainer._forward_backward
 
     def forward_backward(*a, **kw):
         seen.append((torch.is_deterministic_algorithms_warn_only_enabled(), torch.backends.cuda.flash_sdp_enabled(),
                      torch.backends.cuda.mem_efficient_sdp_enabled()))
         return inner(*a, **kw)
 
-    trainer._strict_forward_backward = forward_backward
+    trainer._forward_backward = forward_backward
     for enable in (torch.backends.cuda.enable_flash_sdp, torch.backends.cuda.enable_mem_efficient_sdp):
         enable(False)  # as the mode's math-kernel part leaves them
     try:

@@ -78,13 +78,8 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, uniforms: torc
         log_probs = torch.log_softmax(logits.float(), dim=-1)
         tokens = log_probs.argmax(dim=-1)
         return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
-    if sampling.top_p >= 1.0 and (top_k is None or top_k >= logits.shape[-1]):
-        log_probs = logits.to(torch.float32, copy=True)  # the one full-vocabulary copy
-        if sampling.temperature != 1.0:
-            log_probs.div_(sampling.temperature)
-        log_probs.sub_(log_probs.logsumexp(-1, keepdim=True))
-        tokens = _blocked_inverse_cdf(log_probs, uniforms.to(log_probs.device, torch.float64))
-        return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+    if _untruncated(sampling, top_k, logits.shape[-1]):
+        return _plain_sample(logits, uniforms.to(logits.device, torch.float64), sampling.temperature)
     log_probs = torch.log_softmax(logits.float() / sampling.temperature, dim=-1)
     cdf = sampling_cdf(log_probs, sampling.top_p, top_k)
     # The first token whose cumulative mass exceeds u * total: token k with probability p_k / total.
@@ -99,18 +94,24 @@ def compiled_sample_tokens(logits: torch.Tensor, sampling: SamplingParams, unifo
     samples with) through torch.compile: the cast, temperature, logsumexp and the blocked inverse CDF
     run as a few fused kernels that read the logits instead of writing a float32 copy of the whole
     vocabulary and re-reading it pass by pass. The fast path's sampler under --enable-torch-compile.
-    The arithmetic is sample_tokens'; Inductor's kernels may round an exp or a sum differently in the
-    last bit, so a draw within that of a CDF boundary can differ from the eager path's."""
-    if sampling.temperature == 0 or sampling.top_p < 1.0 or (top_k is not None and top_k < logits.shape[-1]):
+    Both run `_plain_sample`; Inductor's kernels may round an exp or a sum differently in the last bit, so a draw within that of a CDF boundary can differ from the eager path's."""
+    if sampling.temperature == 0 or not _untruncated(sampling, top_k, logits.shape[-1]):
         return sample_tokens(logits, sampling, uniforms, top_k=top_k)
     return _compiled_plain()(logits, uniforms.to(logits.device, torch.float64), sampling.temperature)
 
 
+def _untruncated(sampling: SamplingParams, top_k: int | None, vocab: int) -> bool:
+    """Neither top-p nor top-k cuts the distribution: the plain path samples it."""
+    return sampling.top_p >= 1.0 and (top_k is None or top_k >= vocab)
+
+
 def _plain_sample(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float):
-    log_probs = logits.float()
+    """The plain path (temperature > 0, untruncated): float32 log-probs at `temperature`, a token
+    drawn by the blocked inverse CDF, and its log-prob."""
+    log_probs = logits.to(torch.float32, copy=True)  # the one full-vocabulary copy (none once compiled)
     if temperature != 1.0:
-        log_probs = log_probs / temperature
-    log_probs = log_probs - log_probs.logsumexp(-1, keepdim=True)
+        log_probs.div_(temperature)
+    log_probs.sub_(log_probs.logsumexp(-1, keepdim=True))
     tokens = _blocked_inverse_cdf(log_probs, uniforms)
     return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
 

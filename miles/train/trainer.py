@@ -306,15 +306,10 @@ class Trainer:
                              tokens_in_batch=tokens_in_batch)
 
         # The whole micro-step inside the replay: a checkpointed layer re-runs its router in backward.
-        with self._routed(mb):
+        with self._routed(mb), self.strict_backward():
             return self._forward_backward(mb, advantages, old_log_probs, ref_log_probs, agg)
 
     def _forward_backward(self, mb: TrainBatch, advantages, old_log_probs, ref_log_probs, agg) -> dict[str, float]:
-        with self.strict_backward():
-            return self._strict_forward_backward(mb, advantages, old_log_probs, ref_log_probs, agg)
-
-    def _strict_forward_backward(self, mb: TrainBatch, advantages, old_log_probs, ref_log_probs,
-                                 agg) -> dict[str, float]:
         cfg = self.cfg
         with self.autocast():
             log_probs, entropy = response_log_probs(self.model, mb, self.temperature, with_entropy=True,

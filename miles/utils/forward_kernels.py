@@ -48,14 +48,9 @@ def engine_forward() -> Iterator[None]:
     if not lifted():
         yield
         return
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(False)
-    try:
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                          SDPBackend.MATH]):
-            yield
-    finally:
-        torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    with _switched(False, warn_only=False, backends=[SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                                     SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]):
+        yield
 
 
 @contextlib.contextmanager
@@ -65,9 +60,18 @@ def strict_backward() -> Iterator[None]:
     if not (torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()):
         yield
         return
-    torch.use_deterministic_algorithms(True, warn_only=False)
+    with _switched(True, warn_only=False, backends=[SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
+        yield
+
+
+@contextlib.contextmanager
+def _switched(enabled: bool, *, warn_only: bool, backends: list[SDPBackend]) -> Iterator[None]:
+    """torch's deterministic algorithms set to (enabled, warn_only) and SDPA limited to `backends`
+    for the duration; the mode's own setting (on, with its warn_only) is put back after."""
+    mode_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
     try:
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
+        with sdpa_kernel(backends):
             yield
     finally:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.use_deterministic_algorithms(True, warn_only=mode_warn_only)
