@@ -20,7 +20,8 @@ on-device digest, over a Qwen2.5-0.5B-shaped set of tensors (494M parameters):
 
 Configurations: `off`; each part of miles.debug.determinism.PARTS alone; `fill_memory` (torch's
 NaN fill of uninitialised memory, which the mode used to leave on); `mode` (--deterministic-mode);
-`mode_before` (the mode as it was: fill on); `strict` (torch.use_deterministic_algorithms(True)
+`mode_4mib` (the mode with the 4 MiB cuBLAS workspaces it used to leave:
+CUBLAS_WORKSPACE_CONFIG=:4096:8 at launch); `mode_before` (the mode as it was: fill on); `strict` (torch.use_deterministic_algorithms(True)
 without warn_only, which makes flash / memory-efficient SDPA backwards deterministic, so no math
 kernel; float cumsum on CUDA raises under it); `hashes` (--deterministic-mode --debug-determinism); `true_on_policy` (--true-on-policy-mode).
 """
@@ -52,10 +53,17 @@ def _strict() -> str:
     return "use_deterministic_algorithms(True) strict"
 
 
+def _workspace_4mib() -> str:
+    import os
+
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # at launch: torch sizes its cuBLAS workspaces from it
+    return "CUBLAS_WORKSPACE_CONFIG=:4096:8 at launch (4 MiB cuBLAS workspaces)"
+
+
 def part(name: str):
     from miles.debug.determinism import PARTS
 
-    extra = {"fill_memory": _fill_memory, "strict": _strict}
+    extra = {"fill_memory": _fill_memory, "strict": _strict, "workspace_4mib": _workspace_4mib}
     return extra[name] if name in extra else next(p.enable for p in PARTS if p.name == name)
 
 
@@ -68,6 +76,7 @@ CONFIGS = {
     "cudnn": (["cudnn"], []),
     "sdpa_math": (["sdpa_math"], []),
     "mode": ([], ["--deterministic-mode"]),
+    "mode_4mib": (["workspace_4mib"], ["--deterministic-mode"]),
     "mode_before": (["cublas_workspace", "algorithms", "fill_memory", "cudnn", "sdpa_math"], []),
     "strict": (["cublas_workspace", "strict", "cudnn"], []),
     "hashes": ([], ["--deterministic-mode", "--debug-determinism"]),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -46,6 +47,13 @@ VARIANTS = {  # name -> Trainer layout (dict), or the plain loop's (weights, mic
     "miles dynamic 24k tokens: thd compiled": dict(qkv_format="thd", max_tokens_per_gpu=24576, torch_compile=True),
     # the packed sequences' attention as one padded SDPA (scatter, SDPA, gather) instead of varlen_attn
     "miles dynamic 24k tokens: thd padded-sdpa": dict(qkv_format="thd", max_tokens_per_gpu=24576, kernel="padded"),
+    # --deterministic-mode (strict deterministic algorithms and flash's deterministic backward in the
+    # trainer): with the cuBLAS workspace the mode keeps (torch's default), and with the 4 MiB one that
+    # CUBLAS_WORKSPACE_CONFIG=:4096:8 set at launch gives (what the mode used to set)
+    "miles bshd: deterministic mode": dict(qkv_format="bshd", deterministic=True),
+    "miles bshd: deterministic mode + 4 MiB cuBLAS workspace": dict(
+        qkv_format="bshd", deterministic=True, env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
+    "miles bshd: 4 MiB cuBLAS workspace": dict(qkv_format="bshd", env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
     "plain PyTorch: autocast fp32 master": ("autocast", None),
     "plain PyTorch: bf16 weights": ("bf16", None),
     "plain PyTorch: autocast 24k tokens": ("autocast", 64),
@@ -98,6 +106,8 @@ def run_miles(args, layout: dict, model, samples):
 
     if layout.pop("former", False):
         batch_module.response_log_probs = trainer_module.response_log_probs = former_response_log_probs
+    layout.pop("env", None)  # the parent set it for this process
+    layout.pop("deterministic", None)  # one_variant enabled the mode
     if layout.pop("kernel", None) == "padded":
         from miles.train import attention
         from miles.utils import varlen
@@ -144,10 +154,14 @@ def run_plain(args, spec: tuple[str, int | None], model, samples):
 def one_variant(args) -> dict:
     from miles.train.meter import matmul_parameters
 
+    spec = VARIANTS[args.variant]
+    if isinstance(spec, dict) and spec.get("deterministic"):  # before the first cuBLAS handle, as `miles train`
+        from miles.debug.determinism import enable_deterministic_mode
+
+        enable_deterministic_mode(0, args.device, "sdpa")
     model = make_model(args)
     samples = make_samples(args, model.config.vocab_size)
     n_params = matmul_parameters(model)
-    spec = VARIANTS[args.variant]
     step, flops_per_param = (run_miles(args, dict(spec), model, samples) if isinstance(spec, dict)
                              else run_plain(args, spec, model, samples))
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
@@ -178,7 +192,11 @@ def one_variant(args) -> dict:
     peak = (torch.cuda.max_memory_allocated() if args.device == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
     tflops = flops_per_param * n_params * tokens / seconds / 1e12
-    return {"tok_s": tokens / seconds, "tflops": tflops, "step_s": seconds, "peak_gib": peak, "params": n_params}
+    from miles.utils.digest import named_tensors_digest16
+
+    weights = named_tensors_digest16(model.named_parameters())  # equal in two processes: a bitwise repeat
+    return {"tok_s": tokens / seconds, "tflops": tflops, "step_s": seconds, "peak_gib": peak, "params": n_params,
+            "weights": weights}
 
 
 def main() -> None:
@@ -209,18 +227,22 @@ def main() -> None:
     print(f"{args.device} {args.precision}, shape {args.shape}, {args.samples} x {args.seq} tokens "
           f"({'ragged responses' if args.ragged else f'prompt {args.prompt}'}), micro-batch {args.micro_batch}, "
           f"median of {args.steps} steps after 1 warm-up")
-    print(f"{'variant':40}{'tok/s':>10}{'TFLOP/s':>10}{'MFU':>8}{'step s':>9}{'peak GiB':>10}")
+    print(f"{'variant':56}{'tok/s':>10}{'TFLOP/s':>10}{'MFU':>8}{'step s':>9}{'peak GiB':>10}  weights after")
     r = None
     for name in args.variants.split(","):
-        proc = subprocess.run([sys.executable, __file__, *base, "--variant", name], capture_output=True, text=True)
+        spec = VARIANTS[name]
+        env = {**os.environ, **(spec.get("env", {}) if isinstance(spec, dict) else {})}
+        proc = subprocess.run([sys.executable, __file__, *base, "--variant", name], capture_output=True, text=True,
+                              env=env)
         if args.profile:
             print(f"-- {name}: profile of one step\n{proc.stderr}")
         if proc.returncode:
-            print(f"{name:40} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1][:120]}")
+            print(f"{name:56} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1][:120]}")
             continue
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         mfu = f"{r['tflops'] / peak:.1%}" if peak else "-"
-        print(f"{name:40}{r['tok_s']:>10.0f}{r['tflops']:>10.2f}{mfu:>8}{r['step_s']:>9.3f}{r['peak_gib']:>10.2f}")
+        print(f"{name:56}{r['tok_s']:>10.0f}{r['tflops']:>10.2f}{mfu:>8}{r['step_s']:>9.3f}{r['peak_gib']:>10.2f}"
+              f"  {r['weights'][:12]}")
     if r:
         print(f"N = {r['params'] / 1e6:.1f}M parameters in matmuls")
 

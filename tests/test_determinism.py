@@ -132,14 +132,15 @@ def test_the_engine_decodes_without_the_modes_slow_kernels_on_the_main_thread_on
 
 
 @pytest.mark.parametrize("strict", [True, False])
-def test_the_trainer_runs_its_forward_and_backward_strict_with_flash_allowed(tiny_model, prompt_file,
+def test_the_trainer_runs_its_forward_and_backward_strict_with_flash_allowed(tiny_model, prompt_file, monkeypatch,
                                                                             deterministic_algorithms, strict):
     """Under the mode the trainer's forward/backward run with torch's deterministic algorithms strict and
     SDPA's flash kernel allowed (FlashAttention's backward is deterministic only when strict), and the
     mode is back as the mode set it after; with --async (an engine sampling in the process meanwhile,
-    strict_deterministic_backward=False) nothing changes."""
+    strict_deterministic_backward=False) nothing changes. The scoring forward runs as the training forward."""
     import torch
 
+    from miles.train import trainer as trainer_module
     from miles.train.trainer import Trainer
     from miles.utils.models import load_causal_lm
     from test_seams import live, train_cfg
@@ -147,15 +148,23 @@ def test_the_trainer_runs_its_forward_and_backward_strict_with_flash_allowed(tin
     model = load_causal_lm(tiny_model, device="cpu", attention_backend="sdpa")
     trainer = Trainer(train_cfg(), model, None, temperature=1.0, group_size=3, pad_token_id=1, precision="fp32",
                       strict_deterministic_backward=strict)
-    seen = []
-    inner = trainer._forward_backward
+    seen, scoring = [], []
+    inner, inner_score = trainer._forward_backward, trainer_module.score_rollout
+
+    def kernels():
+        return (torch.is_deterministic_algorithms_warn_only_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+                torch.backends.cuda.mem_efficient_sdp_enabled())
 
     def forward_backward(*a, **kw):
-        seen.append((torch.is_deterministic_algorithms_warn_only_enabled(), torch.backends.cuda.flash_sdp_enabled(),
-                     torch.backends.cuda.mem_efficient_sdp_enabled()))
+        seen.append(kernels())
         return inner(*a, **kw)
 
+    def scored(*a, **kw):
+        scoring.append(kernels())
+        return inner_score(*a, **kw)
+
     trainer._forward_backward = forward_backward
+    monkeypatch.setattr(trainer_module, "score_rollout", scored)
     for enable in (torch.backends.cuda.enable_flash_sdp, torch.backends.cuda.enable_mem_efficient_sdp):
         enable(False)  # as the mode's math-kernel part leaves them
     try:
@@ -165,7 +174,9 @@ def test_the_trainer_runs_its_forward_and_backward_strict_with_flash_allowed(tin
     finally:
         for enable in (torch.backends.cuda.enable_flash_sdp, torch.backends.cuda.enable_mem_efficient_sdp):
             enable(True)
-    assert seen and set(seen) == ({(False, True, False)} if strict else {(True, False, False)})
+    expected = {(False, True, False)} if strict else {(True, False, False)}
+    assert seen and set(seen) == expected
+    assert scoring and set(scoring) == expected  # the scoring forward: the training forward's kernels
 
 
 def test_an_moe_trainer_keeps_the_modes_warn_only_kernels(deterministic_algorithms):

@@ -35,8 +35,22 @@ class Part:
 
 
 def _cublas_workspace() -> str:
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS handle
-    return f"CUBLAS_WORKSPACE_CONFIG={os.environ['CUBLAS_WORKSPACE_CONFIG']}"
+    """CUBLAS_WORKSPACE_CONFIG=:4096:8, which torch's strict deterministic algorithms (the trainer's
+    forward/backward, miles.utils.forward_kernels.strict_backward) require before they run cuBLAS.
+
+    torch also sizes its cuBLAS workspaces from this variable, when it creates its first handle: 4 MiB,
+    against its default of 32 MiB on Hopper and Blackwell, which rules out the GEMM kernels that need
+    more (+21% a training step, benchmarks/BENCHMARKS.md). cuBLAS repeats bitwise on one stream; the
+    variable is for streams that share cuBLAS' own workspace (cuBLAS documentation, "Results
+    reproducibility"), and torch gives every (handle, stream) a workspace of its own. So on CUDA this
+    thread's handle is created first, which fixes torch's workspace size at its default, and the
+    variable set after. A variable the user set is kept, and with it the size it gives."""
+    if "CUBLAS_WORKSPACE_CONFIG" in os.environ or not torch.cuda.is_available():
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        return f"CUBLAS_WORKSPACE_CONFIG={os.environ['CUBLAS_WORKSPACE_CONFIG']}"
+    torch.cuda.current_blas_handle()  # torch reads the workspace size once, here
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    return "CUBLAS_WORKSPACE_CONFIG=:4096:8 (set after torch sized its cuBLAS workspaces: default size kept)"
 
 
 def _algorithms() -> str:

@@ -135,8 +135,12 @@ class Trainer:
         lo, hi = self.ranks.rows(0, batch.rewards.numel())
         around = (lambda mb: self._routed(mb, counts)) if counts is not None else None
         bounds = [(a - lo, b - lo) for a, b in self._micro_batches(batch, lo, hi, training=False)]
-        mine = score_rollout(model, batch.rows(lo, hi), self.cfg.micro_batch_size, self.temperature, self.autocast,
-                             around=around, bounds=bounds, **self.cfg.scoring_layout)[0]
+        # Under --deterministic-mode the scoring forward takes the training forward's kernels (strict, flash
+        # SDPA) rather than the mode's math SDPA: faster, and the log-probs it scores are the ones the
+        # training forward recomputes from the same weights.
+        with self.strict_backward():
+            mine = score_rollout(model, batch.rows(lo, hi), self.cfg.micro_batch_size, self.temperature,
+                                 self.autocast, around=around, bounds=bounds, **self.cfg.scoring_layout)[0]
         return self.ranks.gather_rows(mine)
 
     def _micro_batches(self, batch: TrainBatch, start: int, stop: int, *, training: bool) -> list[tuple[int, int]]:

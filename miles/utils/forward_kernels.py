@@ -25,7 +25,9 @@ otherwise). The mode cannot be strict process-wide: the sampler's float cumsum o
 deterministic kernel and would raise. `strict_backward()` makes it strict for the trainer's
 forward and backward alone, and lets SDPA take flash there (math where flash cannot run: fp32,
 masks); memory-efficient and cuDNN SDPA stay off (their backwards are never deterministic). The
-trainer enters it only where no engine samples in the process at the same time (not with --async).
+trainer enters it only where no engine samples in the process at the same time (not with --async),
+for its forward/backward and for its scoring forwards, which so compute what the training forward
+recomputes.
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ def engine_forward() -> Iterator[None]:
 
 @contextlib.contextmanager
 def strict_backward() -> Iterator[None]:
-    """The trainer's forward and backward under --deterministic-mode: strict deterministic algorithms
-    and SDPA's flash kernel (its deterministic backward) or math; nothing changes outside the mode."""
+    """The trainer's passes under --deterministic-mode: strict deterministic algorithms and SDPA's flash
+    kernel (its deterministic backward) or math; nothing changes outside the mode."""
     if not (torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()):
         yield
         return
