@@ -54,6 +54,9 @@ VARIANTS = {  # name -> Trainer layout (dict), or the plain loop's (weights, mic
     "miles bshd: deterministic mode + 4 MiB cuBLAS workspace": dict(
         qkv_format="bshd", deterministic=True, env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
     "miles bshd: 4 MiB cuBLAS workspace": dict(qkv_format="bshd", env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
+    # the same with --trainer-torch-compile, which the mode allows (Inductor in its deterministic setting)
+    "miles bshd compiled": dict(qkv_format="bshd", torch_compile=True),
+    "miles bshd compiled: deterministic mode": dict(qkv_format="bshd", torch_compile=True, deterministic=True),
     "plain PyTorch: autocast fp32 master": ("autocast", None),
     "plain PyTorch: bf16 weights": ("bf16", None),
     "plain PyTorch: autocast 24k tokens": ("autocast", 64),
@@ -184,6 +187,8 @@ def one_variant(args) -> dict:
             sync()
         key = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=args.profile), file=sys.stderr)
+        print(prof.key_averages().table(sort_by="count", row_limit=args.profile),  # what a launch-bound step launches
+              file=sys.stderr)
         print(prof.key_averages(group_by_input_shape=True).table(  # which tensors the top ops ran on
             sort_by=key, row_limit=args.profile, max_name_column_width=28, max_shapes_column_width=90),
             file=sys.stderr)

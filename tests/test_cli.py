@@ -73,7 +73,6 @@ def data_dir(tmp_path):
     (["--rollout-batch-size", "x"], ["--rollout-batch-size", "invalid int value"]),
     (["--bogus-flag"], ["--bogus-flag"]),
     (["--advantage-estimator", "ppo"], ["--advantage-estimator", "grpo"]),
-    (["--trainer-torch-compile", "--deterministic-mode"], ["--trainer-torch-compile", "--deterministic-mode"]),
     (["--trainer-torch-compile", "--true-on-policy-mode"], ["--trainer-torch-compile", "--true-on-policy-mode"]),
 ])
 def test_bad_input_is_one_error_line_before_torch(flags, fragments, data_dir, tmp_path):

@@ -54,6 +54,35 @@ def test_the_mode_sets_each_part_and_leaves_uninitialised_memory_unfilled(refere
     assert torch.utils.deterministic.fill_uninitialized_memory is False
 
 
+def test_the_mode_with_a_compiled_trainer_repeats_bitwise(reference_run, tiny_args, tmp_path):
+    """--deterministic-mode with --trainer-torch-compile: each run compiles afresh (Dynamo reset, no Inductor
+    cache), with Inductor in its deterministic setting, and the two hash the same at every step."""
+    import torch
+    import torch._inductor.config as inductor_config
+
+    runs = []
+    with inductor_config.patch(force_disable_caches=True):
+        for name in ("a", "b"):
+            torch._dynamo.reset()
+            runs.append(run(tiny_args, *DET, "--trainer-torch-compile", "--output-dir", str(tmp_path / name)))
+    assert [r["step"] for r in hashes(runs[0])] == [1, 2]
+    assert hashes(runs[0]) == hashes(runs[1])
+    assert "Inductor deterministic" in (runs[1] / "train.log").read_text()
+    assert inductor_config.deterministic
+
+
+def test_the_mode_sets_inductor_deterministic_before_inductor_is_imported():
+    """In a fresh process (Inductor not imported yet) the mode's setting reaches Inductor's config too."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from miles.debug.determinism import _inductor; _inductor(); "
+            "assert 'torch._inductor.config' not in sys.modules; "
+            "import torch._inductor.config as c; print(c.deterministic)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "True"
+
+
 @pytest.mark.parametrize("flags, step, component", [
     (["--lr", "2e-3"], 1, "parameters"),            # same data, tokens, loss and gradients; a different update
     (["--seed", "7"], 1, "rollout_tokens"),         # same prompts, other sampling streams

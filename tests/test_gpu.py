@@ -141,14 +141,22 @@ def test_under_the_mode_the_trainer_never_takes_varlen_and_the_engine_may(determ
         assert varlen.kernel_for(q, None) == ("varlen_attn" if varlen._varlen_attn() else "padded_sdpa")
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_a_deterministic_run_on_cuda_repeats_bitwise(tiny_args, tmp_path, precision):
+@pytest.mark.parametrize("precision, compiled", [("fp32", []), ("bf16", []),
+                                               ("bf16", ["--trainer-torch-compile", "--enable-torch-compile"])])
+def test_a_deterministic_run_on_cuda_repeats_bitwise(tiny_args, tmp_path, precision, compiled):
     """Two --deterministic-mode runs on the GPU hash the same at every step, the engine lifted out of the
-    mode's kernels and the trainer in them."""
-    first = run(tiny_args, "--device", "cuda", "--precision", precision, *DET, "--output-dir", str(tmp_path / "a"))
-    second = run(tiny_args, "--device", "cuda", "--precision", precision, *DET, "--output-dir", str(tmp_path / "b"))
-    assert [r["step"] for r in hashes(first)] == [1, 2]
-    assert hashes(first) == hashes(second)
+    mode's kernels and the trainer in them; with both compiles, each run compiling afresh (Dynamo reset,
+    no Inductor cache) with Inductor in its deterministic setting."""
+    import torch._inductor.config as inductor_config
+
+    runs = []
+    with inductor_config.patch(force_disable_caches=True):
+        for name in ("a", "b"):
+            torch._dynamo.reset()
+            runs.append(run(tiny_args, "--device", "cuda", "--precision", precision, *DET, *compiled,
+                            "--output-dir", str(tmp_path / name)))
+    assert [r["step"] for r in hashes(runs[0])] == [1, 2]
+    assert hashes(runs[0]) == hashes(runs[1])
 
 
 def test_under_the_mode_the_trainers_attention_backward_is_flash_and_repeats_bitwise(deterministic_algorithms):

@@ -380,10 +380,9 @@ def _check_dynamic_batch_flags(args: argparse.Namespace) -> None:
 
 
 def _check_compile_flags(args: argparse.Namespace) -> None:
-    for flag in ("true_on_policy_mode", "deterministic_mode"):
-        if args.trainer_torch_compile and getattr(args, flag):
-            raise UsageError(f"--trainer-torch-compile runs Inductor's kernels, which --{flag.replace('_', '-')} does "
-                             "not cover (the engine and the bitwise checks run the eager ones): drop one of the two")
+    if args.trainer_torch_compile and args.true_on_policy_mode:
+        raise UsageError("--trainer-torch-compile runs Inductor's kernels, which --true-on-policy-mode does not cover "
+                         "(its engine decodes with the trainer's eager kernels): drop one of the two")
 
 
 def _check_cluster_flags(args: argparse.Namespace) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,19 +39,23 @@ def _cublas_workspace() -> str:
     """CUBLAS_WORKSPACE_CONFIG=:4096:8, which torch's strict deterministic algorithms (the trainer's
     forward/backward, miles.utils.forward_kernels.strict_backward) require before they run cuBLAS.
 
-    torch also sizes its cuBLAS workspaces from this variable, when it creates its first handle: 4 MiB,
-    against its default of 32 MiB on Hopper and Blackwell, which rules out the GEMM kernels that need
-    more (+21% a training step, benchmarks/BENCHMARKS.md). cuBLAS repeats bitwise on one stream; the
-    variable is for streams that share cuBLAS' own workspace (cuBLAS documentation, "Results
-    reproducibility"), and torch gives every (handle, stream) a workspace of its own. So on CUDA this
-    thread's handle is created first, which fixes torch's workspace size at its default, and the
-    variable set after. A variable the user set is kept, and with it the size it gives."""
+    torch checks the variable once, at its first GEMM. But while it is set, torch parses it again (a
+    regular expression) for the workspace size at every GEMM: 40-80 us of host time a call, which on a
+    launch-bound trainer was most of the mode's cost (benchmarks/cublas_env.py, BENCHMARKS.md). cuBLAS
+    repeats bitwise on one stream; the variable is for streams that share cuBLAS' own workspace (cuBLAS
+    documentation, "Results reproducibility"), and torch gives every (handle, stream) a workspace of its
+    own. So on CUDA the mode sets the variable for torch's check, runs one GEMM, and removes it again:
+    torch's workspaces keep their default size and its GEMMs their speed. A variable the user set is
+    kept, and with it the size it gives."""
     if "CUBLAS_WORKSPACE_CONFIG" in os.environ or not torch.cuda.is_available():
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         return f"CUBLAS_WORKSPACE_CONFIG={os.environ['CUBLAS_WORKSPACE_CONFIG']}"
-    torch.cuda.current_blas_handle()  # torch reads the workspace size once, here
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-    return "CUBLAS_WORKSPACE_CONFIG=:4096:8 (set after torch sized its cuBLAS workspaces: default size kept)"
+    one = torch.ones(1, 1, device="cuda")
+    torch.mm(one, one)  # torch's check of the variable, cached from here on
+    torch.cuda.synchronize()
+    del os.environ["CUBLAS_WORKSPACE_CONFIG"]
+    return "CUBLAS_WORKSPACE_CONFIG=:4096:8 for torch's check at its first GEMM, then removed (default workspaces)"
 
 
 def _algorithms() -> str:
@@ -81,10 +86,23 @@ def _sdpa_math() -> str:
     return "SDPA math kernel (flash, memory-efficient and cuDNN SDPA off)"
 
 
-# In the order they are set (CUBLAS_WORKSPACE_CONFIG first: cuBLAS reads it once). Each is measured
+def _inductor() -> str:
+    # --trainer-torch-compile and --enable-torch-compile under the mode. Inductor already honours torch's
+    # deterministic algorithms where it generates code (scatters and accumulating index_puts fall back to
+    # ATen's deterministic kernels, one reduction configuration instead of several timed ones); its
+    # `deterministic` setting also keeps it from choosing anything else by timing on the device, so that
+    # every process compiles the same kernels for the same graph. Inductor reads the variable when it is
+    # first imported (importing it here would cost every run of the mode a second and a half).
+    os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1"
+    if "torch._inductor.config" in sys.modules:
+        sys.modules["torch._inductor.config"].deterministic = True
+    return "Inductor deterministic (compiled kernels chosen without timing them on the device)"
+
+
+# In the order they are set (CUBLAS_WORKSPACE_CONFIG first: torch checks it at its first GEMM). Each is measured
 # alone by benchmarks/determinism_parts.py.
 PARTS = (Part("cublas_workspace", _cublas_workspace), Part("algorithms", _algorithms), Part("cudnn", _cudnn),
-         Part("sdpa_math", _sdpa_math, cuda_sdpa_only=True))
+         Part("sdpa_math", _sdpa_math, cuda_sdpa_only=True), Part("inductor", _inductor))
 
 
 def enable_deterministic_mode(seed: int, device: str, attention_backend: str) -> None:
