@@ -141,13 +141,13 @@ def evaluation():
 
 
 def test_leave_one_out_accuracy_and_false_alarms_hold(evaluation):
-    """The README's numbers, each case matched against the base without it, must not fall: top-1 60% and
-    top-3 64% (the issue's target, 80% top-1, is not met), false alarms 5% (target <= 5%)."""
+    """The README's numbers, each case matched against the base without it, must not fall: top-1 64% and
+    top-3 71% (the issue's target, 80% top-1, is not met), false alarms 5% (target <= 5%)."""
     outcomes, alarms = evaluation
     top1 = sum(o.top1 for o in outcomes) / len(outcomes)
     top3 = sum(o.top3 for o in outcomes) / len(outcomes)
     false = sum(bool(o.named) for o in alarms) / len(alarms)
-    assert top1 >= 0.57 and top3 >= 0.61, f"leave-one-out top-1 {top1:.0%}, top-3 {top3:.0%}"
+    assert top1 >= 0.61 and top3 >= 0.68, f"leave-one-out top-1 {top1:.0%}, top-3 {top3:.0%}"
     assert false <= 0.05, f"false alarms on distractors {false:.0%}"
 
 
