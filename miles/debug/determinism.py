@@ -47,9 +47,12 @@ def _cublas_workspace() -> str:
     own. So on CUDA the mode sets the variable for torch's check, runs one GEMM, and removes it again:
     torch's workspaces keep their default size and its GEMMs their speed. A variable the user set is
     kept, and with it the size it gives."""
-    if "CUBLAS_WORKSPACE_CONFIG" in os.environ or not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         return f"CUBLAS_WORKSPACE_CONFIG={os.environ['CUBLAS_WORKSPACE_CONFIG']}"
+    if "CUBLAS_WORKSPACE_CONFIG" in os.environ:
+        return (f"CUBLAS_WORKSPACE_CONFIG={os.environ['CUBLAS_WORKSPACE_CONFIG']} (yours, kept: torch parses it again "
+                f"at every GEMM, 45-160 us of host time a call; unset it to let the mode set it for torch's check only)")
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     one = torch.ones(1, 1, device="cuda")
     torch.mm(one, one)  # torch's check of the variable, cached from here on
