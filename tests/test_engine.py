@@ -132,6 +132,32 @@ def test_update_weights_copies_into_the_engine(tiny_model):
     assert out.weight_version == 3  # outputs carry the version of the weights that made them
 
 
+def test_the_cpu_decode_runs_packed_weights_and_packs_them_again_after_an_update(tiny_model):
+    """fp32 on the CPU: the fast path's projections and LM head run on weights packed for oneDNN; an update
+    copied into the parameters after a first generate is packed again, so the next log-probs are those of
+    the new weights (the trainer's, within 1e-4)."""
+    engine, tok = make_engine(tiny_model)
+    runner = engine.decoder.runner
+    prompts = [tok(p)["input_ids"] for p in ["1+1=", "what is seven plus two?", "x"]]
+    engine.generate(prompts, sp(4, 1.0, 1.0), [0, 1, 2])  # packs the weights
+    assert runner.pack and runner._head is not None and all(w.packed for w in runner._weights)
+    new = load_causal_lm(tiny_model, device="cpu", attention_backend="sdpa")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    engine.update_weights(new.named_parameters(), weight_version=1)
+    outs = engine.generate(prompts, sp(16, 1.0, 1.0), [3, 4, 5])
+    samples = [Sample(group_index=i, index=i, prompt="", tokens=p + o.token_ids, response_length=len(o.token_ids),
+                      loss_mask=[1] * len(o.token_ids), rollout_log_probs=o.log_probs)
+               for i, (p, o) in enumerate(zip(prompts, outs))]
+    batch = TrainBatch.from_samples(samples, tok.pad_token_id, "cpu")
+    with torch.no_grad():
+        logp, _ = response_log_probs(new, batch, 1.0)
+    assert batch.mask.sum() > 15
+    assert ((logp - batch.rollout_log_probs).abs() * batch.mask).max().item() < 1e-4
+
+
 def test_decode_limits_stop_each_row_at_its_budget(tiny_model):
     engine, tok = make_engine(tiny_model)
     prompts = [tok("hello")["input_ids"], tok("abc")["input_ids"]]

@@ -19,7 +19,9 @@ projection, activation, down projection, residual), computing what the HF module
 fused projections are single tensors whose row blocks *are* the modules' parameters (views), so
 a weight update copied into the parameters is in them. With `compile=True` the two functions
 go through torch.compile (one trace for every layer and batch), so the elementwise work between
-the matmuls runs as a few fused kernels.
+the matmuls runs as a few fused kernels. On the CPU in fp32 (not compiled) the projections and the LM
+head run on copies of their weights packed once for oneDNN (`_Packed`), packed again when a weight
+update has written into the parameters.
 
 Shapes: S slots, L slot length, H KV heads, Q query heads, D head dim, V vocabulary, N packed tokens.
 """
@@ -37,6 +39,7 @@ logger = logging.getLogger("miles")
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 LENGTH_STEP = 128  # slot columns attended in multiples of this (a CUDA graph per length bucket)
+PACK_ROWS_HINT = 32  # the rows oneDNN lays packed weights out for (any count runs): a CPU decode batch
 
 
 def unsupported_reason(model) -> str | None:
@@ -104,9 +107,22 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * h.to(x.dtype)
 
 
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; oneDNN's linear when `w` is a weight packed by `_pack` (the CPU decode)."""
+    if w.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    return F.linear(x, w, b)
+
+
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    """`w` reordered once into oneDNN's blocked layout for its linear (benchmarks/cpu_linear.py: the
+    decode's GEMMs 1.0-1.6x faster, the LM head 2.4-2.9x; outputs within fp32 rounding of F.linear)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
+
+
 def _pre_attention(x, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin, *, heads: int, kv_heads: int, eps: float):
     """Tokens x (N, hidden) -> queries (N, Q, D), keys and values (N, H, D), RoPE applied."""
-    h = F.linear(_rms_norm(x, norm, eps), qkv_w, qkv_b)
+    h = _linear(_rms_norm(x, norm, eps), qkv_w, qkv_b)
     head_dim = cos.shape[-1]
     q, k, v = h.view(x.shape[0], heads + 2 * kv_heads, head_dim).split([heads, kv_heads, kv_heads], dim=1)
     if q_norm is not None:  # Qwen3: per-head norms before RoPE
@@ -118,9 +134,9 @@ def _pre_attention(x, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin, *, heads: in
 
 def _post_attention(x, attended, o_w, o_b, norm, gate_up_w, down_w, *, eps: float):
     """The rest of the layer: x (N, hidden) and the attention output (N, Q * D) -> the layer's output."""
-    x = x + F.linear(attended, o_w, o_b)
-    gate, up = F.linear(_rms_norm(x, norm, eps), gate_up_w).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, down_w)
+    x = x + _linear(attended, o_w, o_b)
+    gate, up = _linear(_rms_norm(x, norm, eps), gate_up_w).chunk(2, dim=-1)
+    return x + _linear(F.silu(gate) * up, down_w)
 
 
 def _fuse(linears, attr: str) -> torch.Tensor:
@@ -146,10 +162,24 @@ def _fuse_bias(linears) -> torch.Tensor | None:
     return _fuse(linears, "bias")
 
 
-class _LayerWeights:
-    """One decoder layer's tensors as the layer functions take them; fused blocks are views."""
+class _Packed:
+    """A weight packed for oneDNN (`_pack`), packed again when the weight changed in place since (a
+    weight sync copies into the parameters; torch counts in-place writes in `_version`, shared by views)."""
 
-    def __init__(self, layer):
+    def __init__(self, weight: torch.Tensor):
+        self.weight, self.version, self.packed = weight, None, None
+
+    def get(self) -> torch.Tensor:
+        if self.version != self.weight._version:
+            self.packed, self.version = _pack(self.weight), self.weight._version
+        return self.packed
+
+
+class _LayerWeights:
+    """One decoder layer's tensors as the layer functions take them; fused blocks are views. With `pack`
+    (the CPU decode in fp32, not compiled) the four projections also in oneDNN's packed layout."""
+
+    def __init__(self, layer, pack: bool = False):
         attn, mlp = layer.self_attn, layer.mlp
         self.qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
         self.gate_up = (mlp.gate_proj, mlp.up_proj)
@@ -160,6 +190,13 @@ class _LayerWeights:
         self.k_norm = attn.k_norm.weight if hasattr(attn, "k_norm") else None
         self.o_w, self.o_b = attn.o_proj.weight, attn.o_proj.bias
         self.down_w = mlp.down_proj.weight
+        self.packed = [_Packed(w) for w in (self.qkv_w, self.o_w, self.gate_up_w, self.down_w)] if pack else None
+
+    def projections(self) -> tuple[torch.Tensor, ...]:
+        """The q/k/v, output, gate/up and down weights as the layer functions take them."""
+        if self.packed is None:
+            return self.qkv_w, self.o_w, self.gate_up_w, self.down_w
+        return tuple(p.get() for p in self.packed)
 
     def current(self) -> bool:
         """Whether the modules' weights are still views of the fused tensors (moving the model
@@ -192,6 +229,11 @@ class ModelRunner:
             self._pre = torch.compile(_pre_attention, dynamic=True, fullgraph=True)
             self._post = torch.compile(_post_attention, dynamic=True, fullgraph=True)
         self._weights: list[_LayerWeights] = []
+        # The CPU decode in fp32 runs its GEMMs on weights packed for oneDNN (not compiled: Inductor
+        # packs CPU weights itself only when it may treat them as constants).
+        self.pack = (self.device.type == "cpu" and self.dtype == torch.float32 and not compile
+                     and torch.backends.mkldnn.is_available())
+        self._head = _Packed(model.lm_head.weight) if self.pack and model.lm_head.bias is None else None
 
     @property
     def num_layers(self) -> int:
@@ -208,7 +250,7 @@ class ModelRunner:
         a smaller one is replaced, its graphs dropped, and with `keep` its contents copied over."""
         length = -(-length // LENGTH_STEP) * LENGTH_STEP
         if not self._weights or not all(w.current() for w in self._weights):
-            self._weights = [_LayerWeights(layer) for layer in self.inner.layers]
+            self._weights = [_LayerWeights(layer, self.pack) for layer in self.inner.layers]
             self._graphs, self._pool = {}, None  # they read the tensors the fusing replaced
         if self.cache is not None and self.cache.slots >= slots and self.cache.length >= length:
             return
@@ -245,17 +287,21 @@ class ModelRunner:
 
     def _qkv(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         w = self._weights[i]
-        return self._pre(x, w.norm, w.qkv_w, w.qkv_b, w.q_norm, w.k_norm, cos, sin, heads=self.q_heads,
+        return self._pre(x, w.norm, w.projections()[0], w.qkv_b, w.q_norm, w.k_norm, cos, sin, heads=self.q_heads,
                          kv_heads=self.kv_heads, eps=self.eps)
 
     def _finish_layer(self, i: int, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         w = self._weights[i]
-        return self._post(x, attended.reshape(x.shape[0], -1), w.o_w, w.o_b, w.post_norm, w.gate_up_w, w.down_w,
+        _, o_w, gate_up_w, down_w = w.projections()
+        return self._post(x, attended.reshape(x.shape[0], -1), o_w, w.o_b, w.post_norm, gate_up_w, down_w,
                           eps=self.eps)
 
     def _lm_head(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         h = self.inner.norm(x)
         head = self.model.lm_head
+        if self._head is not None and self._head.weight is head.weight:
+            logits = _linear(h, self._head.get())
+            return logits if out is None else out.copy_(logits)
         if out is None or head.bias is not None or h.dtype != out.dtype:
             return head(h)
         return torch.mm(h, head.weight.t(), out=out)
