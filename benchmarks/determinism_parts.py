@@ -20,8 +20,8 @@ on-device digest, over a Qwen2.5-0.5B-shaped set of tensors (494M parameters):
 
 Configurations: `off`; each part of miles.debug.determinism.PARTS alone; `fill_memory` (torch's
 NaN fill of uninitialised memory, which the mode used to leave on); `mode` (--deterministic-mode);
-`mode_4mib` (the mode with the 4 MiB cuBLAS workspaces it used to leave:
-CUBLAS_WORKSPACE_CONFIG=:4096:8 at launch); `mode_before` (the mode as it was: fill on); `strict` (torch.use_deterministic_algorithms(True)
+`mode_4mib` (the mode with CUBLAS_WORKSPACE_CONFIG=:4096:8 set at launch, which the mode then keeps:
+4 MiB cuBLAS workspaces, and torch parsing the variable at every GEMM); `mode_before` (the mode as it was: fill on); `strict` (torch.use_deterministic_algorithms(True)
 without warn_only, which makes flash / memory-efficient SDPA backwards deterministic, so no math
 kernel; float cumsum on CUDA raises under it); `hashes` (--deterministic-mode --debug-determinism); `true_on_policy` (--true-on-policy-mode).
 """

@@ -48,8 +48,8 @@ VARIANTS = {  # name -> Trainer layout (dict), or the plain loop's (weights, mic
     # the packed sequences' attention as one padded SDPA (scatter, SDPA, gather) instead of varlen_attn
     "miles dynamic 24k tokens: thd padded-sdpa": dict(qkv_format="thd", max_tokens_per_gpu=24576, kernel="padded"),
     # --deterministic-mode (strict deterministic algorithms and flash's deterministic backward in the
-    # trainer): with the cuBLAS workspace the mode keeps (torch's default), and with the 4 MiB one that
-    # CUBLAS_WORKSPACE_CONFIG=:4096:8 set at launch gives (what the mode used to set)
+    # trainer) as it is, and with CUBLAS_WORKSPACE_CONFIG=:4096:8 set at launch and left set (4 MiB cuBLAS
+    # workspaces, and torch parsing the variable at every GEMM: benchmarks/cublas_env.py)
     "miles bshd: deterministic mode": dict(qkv_format="bshd", deterministic=True),
     "miles bshd: deterministic mode + 4 MiB cuBLAS workspace": dict(
         qkv_format="bshd", deterministic=True, env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),

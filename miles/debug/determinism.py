@@ -40,7 +40,7 @@ def _cublas_workspace() -> str:
     forward/backward, miles.utils.forward_kernels.strict_backward) require before they run cuBLAS.
 
     torch checks the variable once, at its first GEMM. But while it is set, torch parses it again (a
-    regular expression) for the workspace size at every GEMM: 40-80 us of host time a call, which on a
+    regular expression) for the workspace size at every GEMM: 45-160 us more host time a call, which on a
     launch-bound trainer was most of the mode's cost (benchmarks/cublas_env.py, BENCHMARKS.md). cuBLAS
     repeats bitwise on one stream; the variable is for streams that share cuBLAS' own workspace (cuBLAS
     documentation, "Results reproducibility"), and torch gives every (handle, stream) a workspace of its
