@@ -57,6 +57,10 @@ VARIANTS = {  # name -> Trainer layout (dict), or the plain loop's (weights, mic
     # the same with --trainer-torch-compile, which the mode allows (Inductor in its deterministic setting)
     "miles bshd compiled": dict(qkv_format="bshd", torch_compile=True),
     "miles bshd compiled: deterministic mode": dict(qkv_format="bshd", torch_compile=True, deterministic=True),
+    # the mode on the default packed layout: varlen_attn, its flash backward strict (deterministic)
+    "miles thd: deterministic mode": dict(qkv_format="thd", deterministic=True),
+    "miles thd compiled": dict(qkv_format="thd", torch_compile=True),
+    "miles thd compiled: deterministic mode": dict(qkv_format="thd", torch_compile=True, deterministic=True),
     "plain PyTorch: autocast fp32 master": ("autocast", None),
     "plain PyTorch: bf16 weights": ("bf16", None),
     "plain PyTorch: autocast 24k tokens": ("autocast", 64),

@@ -128,6 +128,15 @@ def test_a_persons_sentences_are_read_as_a_symptom_and_a_programs_output_is_not(
     assert doctor_json(capsys, log)["findings"] == []
 
 
+def test_the_classifier_reads_an_identifier_as_its_parts_too():
+    """`num_iterations` in a traceback shares `iterations` with a report's prose; `GRPOTrainer` gives `trainer`."""
+    from miles.debug.doctor.retrieval import words
+
+    got = words("AttributeError: 'XGRPOTrainer' object has no attribute 'num_iterations'; GRPOTrainer, camelCase")
+    assert {"num_iterations", "num", "iterations", "xgrpotrainer", "xgrpo", "trainer", "grpo", "camel"} <= set(got)
+    assert "error" not in got and "attributeerror" in got  # a stop word stays out, the whole identifier stays in
+
+
 @pytest.fixture(scope="module")
 def evaluation():
     import tempfile
@@ -141,13 +150,13 @@ def evaluation():
 
 
 def test_leave_one_out_accuracy_and_false_alarms_hold(evaluation):
-    """The README's numbers, each case matched against the base without it, must not fall: top-1 64% and
-    top-3 71% (the issue's target, 80% top-1, is not met), false alarms 5% (target <= 5%)."""
+    """The README's numbers, each case matched against the base without it, must not fall: top-1 67% and
+    top-3 73% (the issue's target, 80% top-1, is not met), false alarms 5% (target <= 5%)."""
     outcomes, alarms = evaluation
     top1 = sum(o.top1 for o in outcomes) / len(outcomes)
     top3 = sum(o.top3 for o in outcomes) / len(outcomes)
     false = sum(bool(o.named) for o in alarms) / len(alarms)
-    assert top1 >= 0.61 and top3 >= 0.68, f"leave-one-out top-1 {top1:.0%}, top-3 {top3:.0%}"
+    assert top1 >= 0.66 and top3 >= 0.72, f"leave-one-out top-1 {top1:.0%}, top-3 {top3:.0%}"
     assert false <= 0.05, f"false alarms on distractors {false:.0%}"
 
 

@@ -40,6 +40,15 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
+_strict = False  # inside strict_backward(): a module global, which compiled code reads without a graph break
+
+
+def strict() -> bool:
+    """Whether this is inside strict_backward() under the mode (the trainer's passes, strict). A plain
+    global where torch.is_deterministic_algorithms_warn_only_enabled() would break a compiled graph."""
+    return _strict
+
+
 def lifted() -> bool:
     """Whether engine_forward() lifts the mode's switches here (the mode is on, on the main thread)."""
     return torch.are_deterministic_algorithms_enabled() and threading.current_thread() is threading.main_thread()
@@ -62,8 +71,13 @@ def strict_backward() -> Iterator[None]:
     if not (torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()):
         yield
         return
+    global _strict
     with _switched(True, warn_only=False, backends=[SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
-        yield
+        _strict = True
+        try:
+            yield
+        finally:
+            _strict = False
 
 
 @contextlib.contextmanager

@@ -17,6 +17,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from miles.utils import forward_kernels
+
 
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor,
                             max_len: int, scale: float | None, dropout: float = 0.0) -> torch.Tensor:
@@ -39,11 +41,15 @@ def kernel_for(q: torch.Tensor, scale: float | None, dropout: float = 0.0) -> st
     """Which kernel packed attention of `q` (already in its compute dtype) runs: "varlen_attn" (torch's
     FlashAttention-style varlen kernel: CUDA, bf16/fp16, no dropout), "padded_sdpa" (other CUDA cases:
     one batched SDPA beats a kernel launch per sequence there) or "per_sequence" (CPU, where the loop is
-    faster). Under torch's deterministic algorithms it is never "varlen_attn": its backward (flash or
-    cuDNN) accumulates with atomics, where the padded grid runs SDPA's kernel of the mode's choice."""
+    faster). Under torch's deterministic algorithms in warn-only form (the mode outside the trainer's
+    passes) it is never "varlen_attn": there its flash backward accumulates dQ with atomics, where the
+    padded grid runs SDPA's kernel of the mode's choice. Strict (the trainer's passes under the mode,
+    miles.utils.forward_kernels.strict_backward) it is, as for SDPA's flash kernel: FlashAttention's
+    backward then accumulates in a fixed order (tests/test_gpu.py checks the gradients repeat bitwise)."""
     if not q.is_cuda:
         return "per_sequence"
-    if dropout or torch.are_deterministic_algorithms_enabled() or _flash_kwargs(q, scale) is None:
+    warn_only = torch.are_deterministic_algorithms_enabled() and not forward_kernels.strict()
+    if dropout or warn_only or _flash_kwargs(q, scale) is None:
         return "padded_sdpa"
     return "varlen_attn"
 

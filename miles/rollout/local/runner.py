@@ -39,6 +39,7 @@ logger = logging.getLogger("miles")
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 LENGTH_STEP = 128  # slot columns attended in multiples of this (a CUDA graph per length bucket)
+EAGER_LENGTH_STEP = 16  # the same without graphs (the CPU): attention reads little beyond the longest row
 PACK_ROWS_HINT = 32  # the rows oneDNN lays packed weights out for (any count runs): a CPU decode batch
 
 
@@ -280,8 +281,10 @@ class ModelRunner:
         self.cache, self._graphs, self._pool = None, {}, None
 
     def length_bucket(self, longest: int) -> int:
-        """The columns a decode step attends to when no slot has more than `longest` tokens."""
-        return min(self.cache.length, -(-longest // LENGTH_STEP) * LENGTH_STEP)
+        """The columns a decode step attends to when no slot has more than `longest` tokens: a multiple
+        of LENGTH_STEP when steps are captured in graphs (one per width), else of EAGER_LENGTH_STEP."""
+        step = LENGTH_STEP if self.cuda_graphs else EAGER_LENGTH_STEP
+        return min(self.cache.length, -(-longest // step) * step)
 
     # -- one transformer layer over rows of tokens ---------------------------------------------------
 
