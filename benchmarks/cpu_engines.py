@@ -2,8 +2,13 @@
 
     python benchmarks/cpu_engines.py --vllm-python /work/vllm-venv/bin/python [--load 2 --repeats 3]
 
-The workload of benchmarks/engines.py: the demo model (fp32), the demo task's first 32 prompts
-(chat template) x 64 new tokens, temperature 1, one seed per sample. Rows:
+The workload of benchmarks/engines.py: the demo model (fp32), 32 prompts of the demo task (chat
+template) x 64 new tokens, temperature 1, one seed per sample; every timed run of a row takes the next 32
+prompts, quiet runs first, then loaded, so no run repeats a prompt an engine has seen: an RL step's prompts
+are new, and vLLM's prefix cache would otherwise serve a repeated prompt's prefill from its cache (a
+prefix the prompts share, the chat template's system prompt, it still serves: that is vLLM's). With
+`--samples-per-prompt K` a run is 32 / K prompts K times each, consecutive, as GRPO samples a group
+(each sample its own seed). Rows:
   local         LocalEngine(model, ...).generate in a fresh process set up as `miles train` sets
                 itself up on a CPU (miles.utils.cpu_threads: OMP_WAIT_POLICY=PASSIVE before torch
                 loads, a thread per core); its `CPU threads:` line is printed;
@@ -17,7 +22,8 @@ Each row is measured quiet and then with `--load N` busy processes (`python -c '
 pass'`) started for it and killed after. A local row's process starts after the load has run
 `--settle` seconds, so the 1-minute load average it reads has seen the load; a vLLM server
 (started once per mode) is measured quiet, then loaded. One warm-up, then `--repeats` timed runs
-(fewer when one row's runs pass `--max-seconds`); tok/s counts the tokens generated (EOS ends a
+(fewer when one row's runs pass `--max-seconds`; the warm-up's prompts are the task's last ones); tok/s
+counts the tokens generated (EOS ends a
 response, so counts differ a little). Prints median, min and max per row and the ratio of
 medians to vLLM's in the same condition; `loadavg` is the 1-minute load average as a row starts.
 """
@@ -40,25 +46,49 @@ LABELS = {"local": "local (miles threads)", "local-compiled": "local compiled", 
           "vllm-eager": "vLLM eager", "vllm-compiled": "vLLM compiled"}
 
 
-def workload(tokenizer, n_prompts: int, new_tokens: int):
-    from miles.config import SamplingParams
-    from miles.data.prompts import load_prompt_data
-    from miles.rollout.sampling import sample_seed
-    from miles.rollout.source import tokenize_prompt
+class Workload:
+    """The demo task's prompts (chat template applied), handed out `per_run` // `group` at a time in
+    order, each `group` times with a seed per sample: run r of the quiet rows gets batch r, of the
+    loaded rows batch `repeats` + r (`batch`); the warm-up takes the task's last 4 prompts."""
 
-    records = load_prompt_data(DEMO_TASK, "prompt", "label").records[:n_prompts]
-    prompts = [tokenize_prompt(r.prompt, tokenizer, True) for r in records]
-    seeds = [sample_seed(42, 0, i) for i in range(len(prompts))]
-    return prompts, SamplingParams(max_new_tokens=new_tokens, temperature=1.0, top_p=1.0), seeds
+    def __init__(self, tokenizer, per_run: int, new_tokens: int, repeats: int, group: int = 1):
+        from miles.config import SamplingParams
+        from miles.data.prompts import load_prompt_data
+        from miles.rollout.sampling import sample_seed
+        from miles.rollout.source import tokenize_prompt
+
+        if group < 1 or per_run % group:
+            raise SystemExit(f"error: --samples-per-prompt {group} must divide --prompts {per_run}")
+        records = load_prompt_data(DEMO_TASK, "prompt", "label").records
+        distinct = per_run // group
+        if len(records) < 2 * repeats * distinct + 4:
+            raise SystemExit(f"error: {2 * repeats} runs of {distinct} prompts and a warm-up need "
+                             f"{2 * repeats * distinct + 4} prompts; {DEMO_TASK} has {len(records)}")
+        self.prompts = [tokenize_prompt(r.prompt, tokenizer, True) for r in records]
+        self.seeds = [sample_seed(42, 0, i) for i in range(len(self.prompts) * group)]  # by sample index
+        self.sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, top_p=1.0)
+        self.distinct, self.group, self.repeats = distinct, group, repeats
+
+    def warm_up(self):
+        return self.prompts[-4:], self.seeds[-4:]
+
+    def batch(self, run: int, loaded: bool):
+        """The run's prompts, each `group` times in a row, and one seed per sample."""
+        start = (run + (self.repeats if loaded else 0)) * self.distinct
+        prompts = [p for p in self.prompts[start:start + self.distinct] for _ in range(self.group)]
+        first = start * self.group
+        return prompts, self.seeds[first:first + len(prompts)]
 
 
-def timed(engine, prompts, sampling, seeds, repeats: int, max_seconds: float) -> list[float]:
-    """tok/s of `repeats` timed runs after one warm-up; stops early once the runs took max_seconds."""
-    engine.generate(prompts[:4], sampling, seeds[:4])
+def timed(engine, work: Workload, loaded: bool, max_seconds: float) -> list[float]:
+    """tok/s of work.repeats timed runs, each on new prompts, after one warm-up; stops early once the
+    runs took max_seconds."""
+    engine.generate(work.warm_up()[0], work.sampling, work.warm_up()[1])
     rates, spent = [], 0.0
-    while len(rates) < repeats and (not rates or spent < max_seconds):
+    while len(rates) < work.repeats and (not rates or spent < max_seconds):
+        prompts, seeds = work.batch(len(rates), loaded)
         start = time.perf_counter()
-        outputs = engine.generate(prompts, sampling, seeds)
+        outputs = engine.generate(prompts, work.sampling, seeds)
         elapsed = time.perf_counter() - start
         rates.append(sum(len(o.token_ids) for o in outputs) / elapsed)
         spent += elapsed
@@ -83,20 +113,23 @@ def child(kind: str, args: argparse.Namespace) -> None:
 
     model_dir = resolve_checkpoint(None)
     tokenizer = load_tokenizer(model_dir)
-    prompts, sampling, seeds = workload(tokenizer, args.prompts, args.new_tokens)
+    work = Workload(tokenizer, args.prompts, args.new_tokens, args.repeats, args.samples_per_prompt)
     model = load_causal_lm(model_dir, dtype=torch.float32, device="cpu", attention_backend="sdpa")
     compiled = kind == "local-compiled"
     engine = LocalEngine(model, eos_token_ids=eos_token_ids(model, tokenizer), pad_token_id=tokenizer.pad_token_id,
                          compile=compiled)
-    if compiled:  # the compile itself, at this batch, outside the timed runs
-        engine.generate(prompts, sampling, seeds)
-    rates = timed(engine, prompts, sampling, seeds, args.repeats, args.max_seconds)
+    if compiled:  # the compile itself, at this batch size, outside the timed runs (on the warm-up's prompts)
+        engine.generate(work.prompts[-args.prompts:], work.sampling, work.seeds[-args.prompts:])
+    rates = timed(engine, work, args.loaded, args.max_seconds)
     print(json.dumps({"rates": rates, "threads": f"{line}; torch threads {torch.get_num_threads()}"}), flush=True)
 
 
-def run_child(kind: str, args: argparse.Namespace) -> tuple[list[float], str]:
+def run_child(kind: str, args: argparse.Namespace, loaded: bool) -> tuple[list[float], str]:
     command = [sys.executable, __file__, "--child", kind, "--prompts", str(args.prompts), "--new-tokens",
-               str(args.new_tokens), "--repeats", str(args.repeats), "--max-seconds", str(args.max_seconds)]
+               str(args.new_tokens), "--repeats", str(args.repeats), "--max-seconds", str(args.max_seconds),
+               "--samples-per-prompt", str(args.samples_per_prompt)]
+    if loaded:
+        command.append("--loaded")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
@@ -133,7 +166,7 @@ def vllm_rows(mode: str, args: argparse.Namespace, conditions, tokenizer) -> dic
     from miles.utils.models import eos_token_ids_of_dir, resolve_checkpoint
 
     model_dir = str(resolve_checkpoint(None))
-    prompts, sampling, seeds = workload(tokenizer, args.prompts, args.new_tokens)
+    work = Workload(tokenizer, args.prompts, args.new_tokens, args.repeats, args.samples_per_prompt)
     eos = eos_token_ids_of_dir(model_dir, tokenizer)
     rows = {}
     with ServerFleet("vllm", model_dir, 1, log_dir=args.log_dir, start_timeout=1800, precision="fp32", seed=0,
@@ -146,8 +179,7 @@ def vllm_rows(mode: str, args: argparse.Namespace, conditions, tokenizer) -> dic
         for condition, load in conditions:
             with busy(load, 2.0) if load else contextlib.nullcontext():
                 before = os.getloadavg()[0]
-                rows[(mode, condition)] = (timed(engine, prompts, sampling, seeds, args.repeats, args.max_seconds),
-                                           before, "")
+                rows[(mode, condition)] = (timed(engine, work, bool(load), args.max_seconds), before, "")
             progress(mode, condition, rows[(mode, condition)][0], "")
     return rows
 
@@ -156,6 +188,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--samples-per-prompt", type=int, default=1, help="samples of each prompt in a run, consecutive "
+                                                                     "(a GRPO group)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-seconds", type=float, default=600, help="a row's timed runs stop after this much")
     p.add_argument("--load", type=int, default=os.cpu_count() or 1, help="busy processes of the loaded rows "
@@ -165,6 +199,7 @@ def main() -> None:
     p.add_argument("--vllm-python", default=None)
     p.add_argument("--log-dir", default="/tmp/miles-bench-logs")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--loaded", action="store_true", help=argparse.SUPPRESS)  # a child: the loaded rows' prompts
     args = p.parse_args()
     if args.child:
         return child(args.child, args)
@@ -181,14 +216,15 @@ def main() -> None:
         for condition, load in conditions:
             with busy(load, args.settle) if load else contextlib.nullcontext():
                 before = os.getloadavg()[0]
-                rates, threads = run_child(kind, args)
+                rates, threads = run_child(kind, args, bool(load))
             rows[(kind, condition)] = (rates, before, threads)
             progress(kind, condition, rates, threads)
     report(rows, engines, conditions, args)
 
 
 def report(rows: dict, engines: list[str], conditions, args: argparse.Namespace) -> None:
-    print(f"\n{args.prompts} prompts x {args.new_tokens} new tokens, demo model fp32, temperature 1; "
+    print(f"\n{args.prompts} samples ({args.samples_per_prompt} a prompt) x {args.new_tokens} new tokens, demo model "
+          f"fp32, temperature 1; "
           f"{os.cpu_count()} CPUs; loaded = {args.load} busy processes")
     refs = [k for k in ("vllm-eager", "vllm-compiled") if k in engines]
     head = "".join(f" {'vs ' + LABELS[r]:>17}" for r in refs)

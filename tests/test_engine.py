@@ -95,6 +95,31 @@ def test_a_samples_tokens_do_not_depend_on_its_batch(tiny_model):
     assert alone.log_probs == pytest.approx(batched.log_probs, abs=1e-5)
 
 
+def test_a_prompt_that_comes_again_in_a_batch_is_prefilled_once(tiny_model):
+    """A GRPO group's samples share their prompt: the fast path prefills each distinct prompt once and
+    gives its other samples copies of its cached columns and logits; every sample still gets the tokens
+    of decoding it alone, its own draws."""
+    engine, tok = make_engine(tiny_model)
+    a, b = tok("hello")["input_ids"], tok("a much longer prompt")["input_ids"]
+    prefilled, inner = [], engine.runner._prefill
+
+    def spy(slots, prompts, keep):
+        prefilled.extend(prompts)
+        return inner(slots, prompts, keep)
+
+    engine.runner._prefill = spy
+    prompts = [a, a, b, a, b]
+    sampling = sp(12, 1.0, 1.0)
+    u = torch.rand(len(prompts), 12, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    got = engine.decode(prompts, sampling, u)
+    assert prefilled == [a, b]
+    want = eager_decode(engine.model, prompts, sampling, u, set(engine.eos_token_ids), tok.pad_token_id)
+    for out, (tokens, logps) in zip(got, want):
+        assert out.token_ids == tokens
+        assert out.log_probs == pytest.approx(logps, abs=1e-5)
+    assert len({tuple(o.token_ids) for o in got}) > 2  # the samples of one prompt drew apart
+
+
 @pytest.mark.parametrize("fixture", ["tiny_model", "tiny_qwen"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_engine_log_probs_equal_trainer_log_probs_fp32(fixture, temperature, request):

@@ -95,6 +95,11 @@ class SlotKVCache:
         for t in self.keys + self.values:
             t[dst] = t[src]
 
+    def copy_columns(self, src: torch.Tensor, dst: torch.Tensor, columns: int) -> None:
+        """Copies columns [0, columns) of slots src -> dst (index tensors) in every layer."""
+        for t in self.keys + self.values:
+            t[dst, :, :columns] = t[src, :, :columns]
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -314,9 +319,30 @@ class ModelRunner:
     @torch.no_grad()
     def prefill(self, slots: list[int], prompts: list[list[int]], keep: list[int] | None = None) -> torch.Tensor:
         """Caches each prompt in its slot (positions 0..len-1) and returns the logits of its last
-        keep[i] positions (default 1), concatenated in prompt order: (sum keep, V)."""
-        lengths = [len(p) for p in prompts]
+        keep[i] positions (default 1), concatenated in prompt order: (sum keep, V).
+
+        A prompt that comes again in the call (a GRPO group's samples) is computed once: its first
+        occurrence is prefilled, the others get copies of that slot's cached columns and logits."""
         keep = keep or [1] * len(prompts)
+        first: dict[tuple, int] = {}
+        source = [first.setdefault((tuple(p), k), i) for i, (p, k) in enumerate(zip(prompts, keep))]
+        unique = list(first.values())  # in order of first occurrence
+        if len(unique) == len(prompts):
+            return self._prefill(slots, prompts, keep)
+        logits = self._prefill([slots[i] for i in unique], [prompts[i] for i in unique], [keep[i] for i in unique])
+        copies = [i for i, s in enumerate(source) if s != i]
+        self.cache.copy_columns(torch.tensor([slots[source[i]] for i in copies], device=self.device),
+                                torch.tensor([slots[i] for i in copies], device=self.device),
+                                max(len(prompts[i]) for i in copies))
+        start, at = {}, 0  # each unique prompt's first logits row
+        for i in unique:
+            start[i], at = at, at + keep[i]
+        rows = [start[s] + j for s, k in zip(source, keep) for j in range(k)]
+        return logits[torch.tensor(rows, device=logits.device)]
+
+    def _prefill(self, slots: list[int], prompts: list[list[int]], keep: list[int]) -> torch.Tensor:
+        """prefill() of prompts computed as they come, packed into one row of tokens."""
+        lengths = [len(p) for p in prompts]
         tokens = torch.tensor([t for p in prompts for t in p], device=self.device)  # (N,)
         positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)  # (N,)
         slot_of = torch.repeat_interleave(torch.tensor(slots), torch.tensor(lengths)).to(self.device)  # (N,)
