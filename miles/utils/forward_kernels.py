@@ -24,10 +24,11 @@ torch's deterministic algorithms are strict (warn_only=False; it accumulates dQ 
 otherwise). The mode cannot be strict process-wide: the sampler's float cumsum on CUDA has no
 deterministic kernel and would raise. `strict_backward()` makes it strict for the trainer's
 forward and backward alone, and lets SDPA take flash there (math where flash cannot run: fp32,
-masks); memory-efficient and cuDNN SDPA stay off (their backwards are never deterministic). The
-trainer enters it only where no engine samples in the process at the same time (not with --async),
-for its forward/backward and for its scoring forwards, which so compute what the training forward
-recomputes.
+masks); memory-efficient and cuDNN SDPA stay off (their backwards are never deterministic). Packed
+sequences take torch's `varlen_attn` there (miles.utils.varlen, which reads `strict()`): its
+FlashAttention backward is deterministic when strict too. The trainer enters it only where no engine
+samples in the process at the same time (not with --async), for its forward/backward and for its
+scoring forwards, which so compute what the training forward recomputes.
 """
 
 from __future__ import annotations
