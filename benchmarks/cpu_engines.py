@@ -57,13 +57,8 @@ class Workload:
         from miles.rollout.sampling import sample_seed
         from miles.rollout.source import tokenize_prompt
 
-        if group < 1 or per_run % group:
-            raise SystemExit(f"error: --samples-per-prompt {group} must divide --prompts {per_run}")
-        records = load_prompt_data(DEMO_TASK, "prompt", "label").records
+        records = load_prompt_data(DEMO_TASK, "prompt", "label").records  # main() checked there are enough
         distinct = per_run // group
-        if len(records) < 2 * repeats * distinct + 4:
-            raise SystemExit(f"error: {2 * repeats} runs of {distinct} prompts and a warm-up need "
-                             f"{2 * repeats * distinct + 4} prompts; {DEMO_TASK} has {len(records)}")
         self.prompts = [tokenize_prompt(r.prompt, tokenizer, True) for r in records]
         self.seeds = [sample_seed(42, 0, i) for i in range(len(self.prompts) * group)]  # by sample index
         self.sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, top_p=1.0)
@@ -201,6 +196,14 @@ def main() -> None:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--loaded", action="store_true", help=argparse.SUPPRESS)  # a child: the loaded rows' prompts
     args = p.parse_args()
+    if args.samples_per_prompt < 1 or args.prompts % args.samples_per_prompt:
+        p.error(f"--samples-per-prompt {args.samples_per_prompt} must be >= 1 and divide --prompts {args.prompts}")
+    from miles.data.prompts import load_prompt_data
+
+    need = 2 * args.repeats * (args.prompts // args.samples_per_prompt) + 4  # quiet and loaded runs, the warm-up
+    if (have := len(load_prompt_data(DEMO_TASK, "prompt", "label").records)) < need:
+        p.error(f"{2 * args.repeats} runs of {args.prompts // args.samples_per_prompt} prompts and a warm-up need "
+                f"{need} prompts; {DEMO_TASK} has {have}: lower --repeats or --prompts")
     if args.child:
         return child(args.child, args)
     from miles.utils.models import load_tokenizer, resolve_checkpoint
