@@ -121,6 +121,34 @@ def test_a_prompt_that_comes_again_in_a_batch_is_prefilled_once(tiny_model):
 
 
 @pytest.mark.parametrize("fixture", ["tiny_model", "tiny_qwen"])
+def test_a_prefix_the_prompts_share_is_prefilled_once_on_the_cpu(fixture, request):
+    """Prompts that open alike (a chat template's system prompt): the CPU prefill computes the shared
+    prefix once, copies its cached columns to every slot and runs the rest of each prompt over them;
+    the tokens are those of decoding each prompt alone, log-probs within fp32 noise."""
+    from miles.rollout.local.runner import SHARED_PREFIX_MIN
+
+    engine, tok = make_engine(request.getfixturevalue(fixture))
+    system = tok("you are a careful assistant who adds numbers and answers with one number only.")["input_ids"]
+    assert len(system) >= SHARED_PREFIX_MIN
+    prompts = [system + tok(t)["input_ids"] for t in ("what is two plus two?", "and seven plus one", "x")]
+    pieces, inner = [], engine.runner._forward
+
+    def spy(slots, parts, start, keep):
+        pieces.append((start, [len(p) for p in parts]))
+        return inner(slots, parts, start, keep)
+
+    engine.runner._forward = spy
+    sampling = sp(12, 1.0, 1.0)
+    u = torch.rand(len(prompts), 12, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    got = engine.decode(prompts, sampling, u)
+    assert pieces == [(0, [len(system)]), (len(system), [len(p) - len(system) for p in prompts])]
+    want = eager_decode(engine.model, prompts, sampling, u, set(engine.eos_token_ids), tok.pad_token_id)
+    for out, (tokens, logps) in zip(got, want):
+        assert out.token_ids == tokens
+        assert out.log_probs == pytest.approx(logps, abs=1e-5)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model", "tiny_qwen"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_engine_log_probs_equal_trainer_log_probs_fp32(fixture, temperature, request):
     """Same weights, fp32: the engine's log-probs (left-padded, KV-cached, one token at a time)

@@ -7,7 +7,9 @@ only attention and its cache:
     owns a slot; its token at position p is cached at column p of its slot.
   - prefill: the prompts of a batch packed into one row of tokens (no padding), attention per
     prompt (miles.utils.varlen: torch's `varlen_attn` on a GPU in bf16, one causal SDPA per prompt on the CPU),
-    their keys and values written to their slots in one indexed copy per layer;
+    their keys and values written to their slots in one indexed copy per layer. A prompt that comes
+    again in the call (a GRPO group) is computed once and its slot copied; on the CPU a prefix the
+    prompts share (a chat template's system prompt) is computed once too, the rest attending to it;
   - decode: one token for each of slots [0, b), attending to columns [0, Lb) of its slot under a
     (b, Lb) mask of the positions it has. The g query heads that share a KV head attend as g
     queries of one head, so GQA reads each cached key once. On a GPU each (b, Lb) bucket's step
@@ -41,6 +43,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 LENGTH_STEP = 128  # slot columns attended in multiples of this (a CUDA graph per length bucket)
 EAGER_LENGTH_STEP = 16  # the same without graphs (the CPU): attention reads little beyond the longest row
 PACK_ROWS_HINT = 32  # the rows oneDNN lays packed weights out for (any count runs): a CPU decode batch
+SHARED_PREFIX_MIN = 16  # the CPU prefill computes a prefix this long, common to a call's prompts, once
 
 
 def unsupported_reason(model) -> str | None:
@@ -341,26 +344,68 @@ class ModelRunner:
         return logits[torch.tensor(rows, device=logits.device)]
 
     def _prefill(self, slots: list[int], prompts: list[list[int]], keep: list[int]) -> torch.Tensor:
-        """prefill() of prompts computed as they come, packed into one row of tokens."""
-        lengths = [len(p) for p in prompts]
-        tokens = torch.tensor([t for p in prompts for t in p], device=self.device)  # (N,)
-        positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)  # (N,)
+        """prefill() of distinct prompts. On the CPU, where the prefill's GEMMs are most of a rollout, a
+        prefix the prompts share (a chat template's system prompt) is computed once, in the first slot,
+        and its columns copied to the others; the rest of each prompt then attends to them."""
+        shared = self._shared_prefix(prompts, keep)
+        if shared:
+            self._forward([slots[0]], [prompts[0][:shared]], 0, None)
+            self.cache.copy_columns(torch.tensor(slots[:1] * (len(slots) - 1), device=self.device),
+                                    torch.tensor(slots[1:], device=self.device), shared)
+        return self._forward(slots, [p[shared:] for p in prompts], shared, keep)
+
+    def _shared_prefix(self, prompts: list[list[int]], keep: list[int]) -> int:
+        """The columns prefilled once for all prompts: their common prefix, less what each needs to keep
+        its `keep` logits rows after it; 0 on a GPU, for one prompt, or below SHARED_PREFIX_MIN."""
+        if self.device.type != "cpu" or len(prompts) < 2:
+            return 0
+        common = next((i for i, column in enumerate(zip(*prompts)) if len(set(column)) > 1), min(map(len, prompts)))
+        shared = min(common, *(len(p) - k for p, k in zip(prompts, keep)))
+        return shared if shared >= SHARED_PREFIX_MIN else 0
+
+    def _forward(self, slots: list[int], pieces: list[list[int]], start: int, keep: list[int] | None):
+        """Runs pieces[i] at positions start.. of slot slots[i], packed into one row of tokens, caching their
+        keys and values; each attends to its slot's columns [0, start) and causally to itself. Returns the
+        logits of each piece's last keep[i] positions, concatenated ((sum keep, V)), or None without keep."""
+        lengths = [len(p) for p in pieces]
+        tokens = torch.tensor([t for p in pieces for t in p], device=self.device)  # (N,)
+        positions = torch.cat([torch.arange(start, start + n) for n in lengths]).to(self.device)  # (N,)
         slot_of = torch.repeat_interleave(torch.tensor(slots), torch.tensor(lengths)).to(self.device)  # (N,)
         starts = [0]
         for n in lengths:
             starts.append(starts[-1] + n)
         cu_seq_lens = torch.tensor(starts, dtype=torch.int32, device=self.device)  # (B + 1,)
-        wanted = torch.tensor([i for s, n, k in zip(starts, lengths, keep) for i in range(s + n - k, s + n)],
-                              device=self.device)
         cos, sin = self._cos[positions], self._sin[positions]
         x = self.inner.embed_tokens(tokens)  # (N, hidden)
         for i in range(self.num_layers):
             q, k, v = self._qkv(i, x, cos, sin)
             self.cache.keys[i][slot_of, :, positions] = k.to(self.dtype)
             self.cache.values[i][slot_of, :, positions] = v.to(self.dtype)
-            attended = packed_causal_attention(q, k, v, cu_seq_lens, max(lengths), self.scaling)
+            if start:
+                attended = self._after_prefix(i, q, slots, lengths, start)
+            else:
+                attended = packed_causal_attention(q, k, v, cu_seq_lens, max(lengths), self.scaling)
             x = self._finish_layer(i, x, attended)
+        if keep is None:
+            return None
+        wanted = torch.tensor([i for s, n, k in zip(starts, lengths, keep) for i in range(s + n - k, s + n)],
+                              device=self.device)
         return self._lm_head(x[wanted])
+
+    def _after_prefix(self, layer: int, q: torch.Tensor, slots: list[int], lengths: list[int],
+                      start: int) -> torch.Tensor:
+        """Attention of each piece's queries (n, Q, D), at positions start.., over its slot's cached columns
+        [0, start + n), causal: one SDPA per piece, (N, Q, D)."""
+        keys, values, parts = self.cache.keys[layer], self.cache.values[layer], []
+        for slot, qs in zip(slots, q.split(lengths)):
+            n = qs.shape[0]
+            visible = torch.arange(start + n, device=q.device)[None] <= torch.arange(start, start + n,
+                                                                                     device=q.device)[:, None]
+            out = F.scaled_dot_product_attention(qs.transpose(0, 1)[None].to(self.dtype), keys[slot, :, :start + n][None],
+                                                 values[slot, :, :start + n][None], attn_mask=visible,
+                                                 scale=self.scaling, enable_gqa=self.group > 1)
+            parts.append(out[0].transpose(0, 1))
+        return torch.cat(parts)
 
     # -- decode ----------------------------------------------------------------------------------
 
