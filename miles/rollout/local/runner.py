@@ -399,10 +399,11 @@ class ModelRunner:
         keys, values, parts = self.cache.keys[layer], self.cache.values[layer], []
         for slot, qs in zip(slots, q.split(lengths)):
             n = qs.shape[0]
-            visible = torch.arange(start + n, device=q.device)[None] <= torch.arange(start, start + n,
-                                                                                     device=q.device)[:, None]
-            out = F.scaled_dot_product_attention(qs.transpose(0, 1)[None].to(self.dtype), keys[slot, :, :start + n][None],
-                                                 values[slot, :, :start + n][None], attn_mask=visible,
+            columns = torch.arange(start + n, device=q.device)
+            visible = columns[None] <= columns[start:, None]  # (n, start + n): query j sees columns <= start + j
+            window = slice(0, start + n)
+            out = F.scaled_dot_product_attention(qs.transpose(0, 1)[None].to(self.dtype), keys[slot, :, window][None],
+                                                 values[slot, :, window][None], attn_mask=visible,
                                                  scale=self.scaling, enable_gqa=self.group > 1)
             parts.append(out[0].transpose(0, 1))
         return torch.cat(parts)
