@@ -105,7 +105,11 @@ def one_run(name: str, steps: int, extra: list[str], out: Path) -> dict:
     steady = rows[1:] if len(rows) > 1 else rows
     mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in steady)
     step, gen, sync = mean("perf/step_time_s"), mean("perf/rollout_time_s"), mean("perf/weight_sync_s")
-    return {"step": step, "generate": gen, "train": step - gen - sync}
+    result = {"step": step, "generate": gen, "train": step - gen - sync}
+    if any("rollout/true_on_policy_redrawn" in r for r in rows):  # tokens re-drawn per rollout, every step
+        result["redrawn"] = [r["rollout/true_on_policy_redrawn"] for r in rows]
+        result["forward_logp_max_diff"] = max(r.get("forward_logp_max_diff", 0.0) for r in rows)
+    return result
 
 
 def bench(configs: list[str], steps: int, repeats: int, extra: list[str]) -> None:

@@ -51,6 +51,7 @@ from miles.train.batch import score_sequences
 from miles.train.checkpoint import (Checkpointer, abandon, clean_temporaries, find_latest_checkpoint,
                                     load_trainer_state, newer_steps)
 from miles.train.trainer import Trainer, mixed_precision
+from miles.utils import invariant
 from miles.utils.jsonl import reconcile
 from miles.utils.logging import MetricsWriter
 from miles.utils.rng import rng_state, set_rng_state
@@ -88,6 +89,8 @@ def run_training(cfg: Configs, data: PromptData | None, reward_fn: RewardFn | No
                 cfg.model.precision, output_dir)
     if debug.deterministic_mode:
         enable_deterministic_mode(run.seed, cfg.model.device, cfg.model.attention_backend)
+    if debug.true_on_policy_mode and cfg.model.device.startswith("cuda"):
+        _use_batch_invariant_kernels(cfg)
     signals, c, outputs, closers = StopSignals(), None, [], contextlib.ExitStack()
     signals.install()  # from here on SIGTERM / SIGINT are logged, and the last finished step saved
     try:
@@ -463,8 +466,24 @@ def build_engine(path, tokenizer, cfg: Configs, *, weight_version: int, closers:
     logger.info("--true-on-policy-mode: the engine samples from the trainer's own computation (score_rollout, "
                 "micro-batch %d, %s, --qkv-format %s) and reports its log-probs", cfg.train.micro_batch_size,
                 model_cfg.precision, cfg.train.qkv_format)
-    return LocalEngine(model, eos_token_ids=eos_token_ids(model, tokenizer), autocast=autocast,
+    # Its decode steps replay the autocast's casts in CUDA graphs, so it casts without a cache.
+    engine_autocast = functools.partial(mixed_precision, model_cfg.precision, model_cfg.device, cache=False)
+    return LocalEngine(model, eos_token_ids=eos_token_ids(model, tokenizer), autocast=engine_autocast,
                        verifier=TrainerComputationVerifier(score), **common)
+
+
+def _use_batch_invariant_kernels(cfg: Configs) -> None:
+    """--true-on-policy-mode on a GPU: the engine's decode and the trainer's forward run miles.utils.invariant's
+    kernels, so that they compute the same numbers and the check after each rollout finds nothing to re-draw."""
+    if cfg.train.qkv_format != "thd":
+        raise UsageError(f"--true-on-policy-mode on a GPU runs batch-invariant attention over packed sequences: "
+                         f"drop --qkv-format {cfg.train.qkv_format} (thd is the default)")
+    if not invariant.available():
+        raise UsageError("--true-on-policy-mode on a GPU needs Triton for its batch-invariant kernels "
+                         "(it ships with torch's CUDA builds): pip install triton")
+    invariant.enable()
+    logger.info("--true-on-policy-mode: matmuls, RMSNorm, attention and the sampler's draw run batch-invariant "
+                "kernels (miles.utils.invariant) in the engine and the trainer")
 
 
 def _max_model_len(path, cfg: Configs) -> int:

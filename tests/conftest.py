@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU, miles.utils.invariant's Triton kernels run in Triton's interpreter (tests/test_invariant.py).
+# Triton reads this once, when the first kernel is made, so it is set before any test imports Triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from miles.testing.tiny import CHATML, build_model_dir, build_tokenizer  # noqa: F401  (re-exported for tests)
 from miles.testing.tiny import REWARD, train_args, write_prompts

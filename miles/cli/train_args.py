@@ -383,6 +383,10 @@ def _check_compile_flags(args: argparse.Namespace) -> None:
     if args.trainer_torch_compile and args.true_on_policy_mode:
         raise UsageError("--trainer-torch-compile runs Inductor's kernels, which --true-on-policy-mode does not cover "
                          "(its engine decodes with the trainer's eager kernels): drop one of the two")
+    if args.enable_torch_compile and args.true_on_policy_mode:
+        raise UsageError("--enable-torch-compile runs the engine's layers through Inductor's kernels, which "
+                         "--true-on-policy-mode does not cover (the engine must compute what the trainer computes): "
+                         "drop one of the two")
 
 
 def _check_cluster_flags(args: argparse.Namespace) -> None:

@@ -26,6 +26,7 @@ import hashlib
 import torch
 
 from miles.config import SamplingParams
+from miles.utils import invariant
 
 
 def derived_seed(*parts) -> int:
@@ -95,7 +96,7 @@ def compiled_sample_tokens(logits: torch.Tensor, sampling: SamplingParams, unifo
     run as a few fused kernels that read the logits instead of writing a float32 copy of the whole
     vocabulary and re-reading it pass by pass. The fast path's sampler under --enable-torch-compile.
     Both run `_plain_sample`; Inductor's kernels may round an exp or a sum differently in the last bit, so a draw within that of a CDF boundary can differ from the eager path's."""
-    if sampling.temperature == 0 or not _untruncated(sampling, top_k, logits.shape[-1]):
+    if sampling.temperature == 0 or not _untruncated(sampling, top_k, logits.shape[-1]) or invariant.enabled():
         return sample_tokens(logits, sampling, uniforms, top_k=top_k)
     return _compiled_plain()(logits, uniforms.to(logits.device, torch.float64), sampling.temperature)
 
@@ -108,6 +109,8 @@ def _untruncated(sampling: SamplingParams, top_k: int | None, vocab: int) -> boo
 def _plain_sample(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float):
     """The plain path (temperature > 0, untruncated): float32 log-probs at `temperature`, a token
     drawn by the blocked inverse CDF, and its log-prob."""
+    if invariant.enabled() and logits.is_cuda:  # --true-on-policy-mode: one row's draw never depends on the others
+        return invariant.sample(logits, uniforms, temperature)
     log_probs = logits.to(torch.float32, copy=True)  # the one full-vocabulary copy (none once compiled)
     if temperature != 1.0:
         log_probs.div_(temperature)

@@ -52,11 +52,12 @@ from miles.utils.forward_kernels import strict_backward
 from miles.utils.progress import Progress
 
 
-def mixed_precision(precision: str, device_type: str):
-    """The trainer's compute context: bf16 autocast over fp32 master weights, or plain fp32."""
+def mixed_precision(precision: str, device_type: str, cache: bool = True):
+    """The trainer's compute context: bf16 autocast over fp32 master weights, or plain fp32. `cache=False`:
+    each cast of a weight is made where it is used (what a CUDA graph that replays the casts needs)."""
     if precision != "bf16":
         return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=torch.bfloat16)
+    return torch.autocast(device_type, dtype=torch.bfloat16, cache_enabled=cache)
 
 
 def enable_activation_checkpointing(model) -> None:

@@ -17,13 +17,22 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from miles.utils import forward_kernels
+from miles.utils import forward_kernels, invariant
 
 
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor,
                             max_len: int, scale: float | None, dropout: float = 0.0) -> torch.Tensor:
     """(T, Hq, D) attention outputs of the packed sequences, by the kernel `kernel_for` names
-    (attention dropout `dropout`: SDPA's, so never the varlen kernel)."""
+    (attention dropout `dropout`: SDPA's, so never the varlen kernel); under --true-on-policy-mode on a
+    GPU, miles.utils.invariant's kernel (whose backward is `torch_causal_attention`'s)."""
+    if invariant.enabled() and q.is_cuda and not dropout:
+        return invariant.packed_attention(q, k, v, cu_seq_lens, scale)
+    return torch_causal_attention(q, k, v, cu_seq_lens, max_len, scale, dropout)
+
+
+def torch_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor,
+                           max_len: int, scale: float | None, dropout: float = 0.0) -> torch.Tensor:
+    """packed_causal_attention by torch's kernels (varlen_attn, SDPA), whatever the mode."""
     q, k, v = _autocast(q, k, v)
     kernel = kernel_for(q, scale, dropout)
     if kernel == "varlen_attn":

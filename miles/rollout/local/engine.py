@@ -74,9 +74,9 @@ class LocalEngine:
                  compile: bool = False, mem_fraction: float | None = None, weight_version: int = 0):
         """`decoder`: fast | hf (DECODERS; fast falls back to hf for a model it cannot run);
         `cache`: the hf path's cache (decode.CACHES); `cuda_graphs`: the fast path's capture on a GPU
-        (off under an autocast context: true on-policy mode); `compile`: the fast path's layer
-        functions and its sampler through torch.compile; `mem_fraction`: the GPU share for
-        weights and KV cache (default DEFAULT_MEM_FRACTION)."""
+        (an `autocast` context must then not cache its casts: the graphs replay them); `compile`: the
+        fast path's layer functions and its sampler through torch.compile; `mem_fraction`: the GPU share
+        for weights and KV cache (default DEFAULT_MEM_FRACTION)."""
         if decoder not in DECODERS:
             raise ValueError(f"unknown decoder {decoder!r}; one of {DECODERS}")
         self.model = model.eval()
@@ -94,8 +94,7 @@ class LocalEngine:
                         "own KV cache", reason)
         self.runner = None
         if decoder == "fast" and reason is None:
-            self.runner = ModelRunner(model, cuda_graphs=cuda_graphs and autocast is contextlib.nullcontext,
-                                      compile=compile)
+            self.runner = ModelRunner(model, cuda_graphs=cuda_graphs, compile=compile)
             self.decoder = ContinuousBatcher(self.runner, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
                                              check_every=check_every, max_slots=self._max_slots,
                                              prefill_tokens=PREFILL_TOKENS.get(self.device.type, 4096),

@@ -35,6 +35,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from miles.utils import invariant
 from miles.utils.varlen import packed_causal_attention
 
 logger = logging.getLogger("miles")
@@ -313,8 +314,9 @@ class ModelRunner:
         if self._head is not None and self._head.weight is head.weight:
             logits = _linear(h, self._head.get())
             return logits if out is None else out.copy_(logits)
-        if out is None or head.bias is not None or h.dtype != out.dtype:
-            return head(h)
+        if out is None or head.bias is not None or h.dtype != out.dtype or torch.is_autocast_enabled(h.device.type):
+            logits = head(h)  # the module, as autocast casts for it (true on-policy mode)
+            return logits if out is None else out.copy_(logits)
         return torch.mm(h, head.weight.t(), out=out)
 
     # -- prefill ---------------------------------------------------------------------------------
@@ -436,9 +438,12 @@ class ModelRunner:
             keys, values = self.cache.keys[i], self.cache.values[i]
             keys[rows, :, positions] = k.to(self.dtype)
             values[rows, :, positions] = v.to(self.dtype)
-            grouped = q.to(self.dtype).view(batch, self.kv_heads, self.group, self.head_dim)  # (b, H, g, D)
-            attended = F.scaled_dot_product_attention(grouped, keys[:batch, :, :width], values[:batch, :, :width],
-                                                      attn_mask=mask, scale=self.scaling)
+            if invariant.enabled() and q.is_cuda:  # --true-on-policy-mode: what the trainer's attention computes
+                attended = invariant.slot_attention(q, keys, values, positions, self.scaling)
+            else:
+                grouped = q.to(self.dtype).view(batch, self.kv_heads, self.group, self.head_dim)  # (b, H, g, D)
+                attended = F.scaled_dot_product_attention(grouped, keys[:batch, :, :width],
+                                                          values[:batch, :, :width], attn_mask=mask, scale=self.scaling)
             x = self._finish_layer(i, x, attended)
         return self._lm_head(x, out)
 

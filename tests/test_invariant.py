@@ -1,0 +1,182 @@
+"""Batch-invariant kernels (miles.utils.invariant, --true-on-policy-mode on a GPU): one row's result never
+depends on the rows computed with it, and the kernels compute what torch computes, within rounding.
+
+On a machine without a GPU the kernels run in Triton's interpreter (numpy), which checks their logic;
+the GPU tests check the same on the device, where the property is at stake, and a true on-policy run
+in bf16 that re-draws nothing."""
+
+import contextlib
+import importlib.util
+
+import pytest
+import torch
+
+from miles.utils import invariant
+from miles.utils.varlen import per_sequence_attention
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(params=["interpreter", "cuda"])
+def device(request):
+    """Where the kernels run: Triton's interpreter on the CPU (only where there is no GPU: conftest.py
+    turns it on), or the GPU."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs Triton")
+    if request.param == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA GPU")
+        request.applymarker(pytest.mark.gpu)
+    elif torch.cuda.is_available():
+        pytest.skip("the GPU runs the kernels themselves")
+    return "cpu" if request.param == "interpreter" else "cuda"
+
+
+def dtype_for(device):
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def compute(device):
+    """The trainer's context in bf16 on the GPU (autocast), plain fp32 in the interpreter."""
+    return torch.autocast("cuda", torch.bfloat16) if device == "cuda" else contextlib.nullcontext()
+
+
+def test_a_matmul_row_is_the_same_alone_and_in_any_batch(device):
+    g = torch.Generator().manual_seed(0)
+    dtype = dtype_for(device)
+    a = torch.randn(300, 96, generator=g).to(device, dtype)
+    w = torch.randn(200, 96, generator=g).to(device, dtype)  # a linear layer's (out, in) weight
+    bias = torch.randn(200, generator=g).to(device, dtype)
+    full = invariant.addmm(bias, a, w.t())
+    torch.testing.assert_close(full.float(), torch.addmm(bias, a, w.t()).float(), rtol=2e-2, atol=2e-2)
+    for rows in (slice(0, 1), slice(5, 12), slice(170, 300)):
+        assert torch.equal(invariant.addmm(bias, a[rows], w.t()), full[rows])
+    # A fused projection's column block (the engine's q/k/v in one matmul) equals the block alone.
+    assert torch.equal(invariant.addmm(bias[50:120], a, w[50:120].t()), full[:, 50:120])
+    assert torch.equal(invariant.mm(a[3:4], w.t()), invariant.mm(a, w.t())[3:4])
+
+
+def test_a_row_mean_is_the_same_alone_and_in_any_batch(device):
+    x = torch.randn(64, 896, generator=torch.Generator().manual_seed(1)).to(device)
+    full = invariant.mean_dim(x, [-1], True)
+    torch.testing.assert_close(full, x.mean(-1, keepdim=True))
+    assert torch.equal(invariant.mean_dim(x[7:9], [-1], True), full[7:9])
+    torch.testing.assert_close(invariant.mean_dim(x.t(), [0]), x.t().mean(0))  # other layouts: torch's sum
+
+
+def packed(device, lengths, heads=4, kv_heads=2, dim=16, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    n = sum(lengths)
+    q, k, v = (torch.randn(n, h, dim, generator=g).to(device) for h in (heads, kv_heads, kv_heads))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return q, k, v, cu
+
+
+def test_packed_attention_is_causal_attention_within_each_sequence(device):
+    q, k, v, cu = packed(device, [5, 70, 3, 130])
+    with compute(device):
+        out = invariant.packed_attention(q, k, v, cu, 0.25)
+        want = per_sequence_attention(q, k, v, cu, 0.25, 0.0)
+    tolerance = dict(rtol=2e-2, atol=2e-2) if device == "cuda" else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out, want, **tolerance)
+
+
+def test_a_decode_step_over_the_slot_cache_equals_the_packed_forward_bitwise(device):
+    """The engine's decode of one token per slot computes exactly the trainer's packed attention at that
+    position, whatever else is packed with it."""
+    lengths = [5, 70, 3]
+    q, k, v, cu = packed(device, lengths)
+    with compute(device):
+        out = invariant.packed_attention(q, k, v, cu, 0.25)
+    keys = torch.zeros(3, 2, 80, 16, device=device)
+    values = torch.zeros_like(keys)
+    starts = cu.tolist()
+    for slot, (lo, n) in enumerate(zip(starts, lengths)):
+        keys[slot, :, :n], values[slot, :, :n] = k[lo:lo + n].transpose(0, 1), v[lo:lo + n].transpose(0, 1)
+    for at in ([4, 69, 2], [0, 30, 1]):  # each slot's position
+        rows = torch.tensor([lo + p for lo, p in zip(starts, at)], device=device)
+        with compute(device):
+            step = invariant.slot_attention(q[rows], keys, values, torch.tensor(at, device=device), 0.25)
+        assert torch.equal(step, out[rows])
+    alone = torch.tensor([0, 70], dtype=torch.int32, device=device)  # the second sequence packed alone
+    with compute(device):
+        assert torch.equal(invariant.packed_attention(q[5:75], k[5:75], v[5:75], alone, 0.25), out[5:75])
+
+
+def test_packed_attention_backward_is_the_attention_gradient(device):
+    q, k, v, cu = packed(device, [6, 90])
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with compute(device):
+        loss = invariant.packed_attention(*leaves, cu, 0.25).float().square().sum()
+    loss.backward()
+    reference = [t.clone().requires_grad_() for t in (q, k, v)]
+    with compute(device):
+        loss = per_sequence_attention(*reference, cu, 0.25, 0.0).float().square().sum()
+    loss.backward()
+    tolerance = dict(rtol=5e-2, atol=5e-2) if device == "cuda" else dict(rtol=1e-4, atol=1e-5)
+    for got, want in zip(leaves, reference):
+        assert got.grad.dtype == want.grad.dtype == torch.float32
+        torch.testing.assert_close(got.grad, want.grad, **tolerance)
+
+
+def test_the_draw_is_the_plain_samplers_and_a_row_draws_alone_as_in_a_batch(device):
+    from miles.rollout.sampling import _plain_sample
+
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(16, 9000, generator=g) * 4).to(device)
+    u = torch.rand(16, generator=g, dtype=torch.float64).to(device)
+    tokens, log_probs = invariant.sample(logits, u, 0.7)
+    want_tokens, want_log_probs = _plain_sample(logits, u, 0.7)
+    assert (tokens == want_tokens).float().mean() >= 15 / 16  # the same inverse CDF, other summation order
+    torch.testing.assert_close(log_probs, torch.log_softmax(logits / 0.7, -1).gather(-1, tokens[:, None])[:, 0])
+    # Uniforms on the CDF boundaries (the float64 mass up to a token, as torch sums it): where two summation
+    # orders part, the draw lands on either side; a row drawn alone must land where it did in the batch.
+    cdf = torch.softmax(logits.double() / 0.7, -1).cumsum(-1)
+    boundary = cdf.gather(-1, torch.randint(0, 9000, (16, 1), generator=g).to(device))[:, 0]
+    tokens, log_probs = invariant.sample(logits, boundary, 0.7)
+    for rows in [slice(i, i + 1) for i in range(16)] + [slice(9, 16)]:
+        alone = invariant.sample(logits[rows], boundary[rows], 0.7)
+        assert torch.equal(alone[0], tokens[rows]) and torch.equal(alone[1], log_probs[rows])
+    edge = torch.tensor([[0.0, 0.0, 0.0, 0.0]], device=device)  # equal halves: u just under 1/2 takes token 1
+    assert invariant.sample(edge, torch.tensor([0.4999], dtype=torch.float64, device=device), 1.0)[0].item() == 1
+
+
+@needs_triton
+def test_enable_routes_only_cuda_ops_and_disable_puts_torchs_back():
+    a = torch.randn(4, 8)
+    before = a @ a.t()
+    invariant.enable()
+    try:
+        assert invariant.enabled()
+        assert torch.equal(a @ a.t(), before)  # CPU ops never reach the kernels
+    finally:
+        invariant.disable()
+    assert not invariant.enabled()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bf16_true_on_policy_run_redraws_nothing(tiny_args):
+    """The engine decodes what the trainer computes: every rollout passes the check in its first round,
+    and the log-probs it reports are the trainer's."""
+    from test_train import metrics, run
+
+    try:
+        rows = metrics(run(tiny_args, "--true-on-policy-mode", "--device", "cuda", "--precision", "bf16",
+                           "--num-rollout", "3", "--rollout-max-response-len", "48"))
+    finally:
+        invariant.disable()
+    for r in rows:
+        assert r["rollout/true_on_policy_redrawn"] == 0
+        assert r["forward_logp_max_diff"] == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_padded_layout_is_refused_on_a_gpu(tiny_args, capsys):
+    from miles.cli.main import main
+
+    assert main(tiny_args + ["--true-on-policy-mode", "--device", "cuda", "--qkv-format", "bshd"]) == 2
+    assert "drop --qkv-format bshd" in capsys.readouterr().err
+    assert not invariant.enabled()
