@@ -158,6 +158,8 @@ def train_steps(c: Components, cfg: Configs, signals: StopSignals, metrics_out: 
             if isinstance(c.source, AheadRollouts):
                 c.source.done_with(rollout_id)
             guard_nonfinite(c, result, step, nonfinite_steps, run.max_nonfinite_steps)
+            if debug.true_on_policy_mode:
+                check_true_on_policy(metrics, step)
             if checking:
                 log_rollout_samples(rollout_id, rollout.samples, limit=2)  # the guide's first look: coherent?
                 checks = run_checks(rollout.samples, metrics, result.diagnostics if result else None,
@@ -193,6 +195,18 @@ def guard_nonfinite(c: Components, result: TrainResult | None, step: int, bad_in
                    f"{limit}); last: {result.nonfinite}")
         logger.error(message)
         raise CheckFailed(message.removeprefix("Stopping: ") + "; no NaN/Inf reached the weights")
+
+
+def check_true_on_policy(metrics: dict, step: int) -> None:
+    """--true-on-policy-mode promises the engine's log-probs are the trainer's bit for bit; a step where they
+    are not stops the run (after its metrics row is written)."""
+    gap = metrics.get("forward_logp_max_diff", 0.0)
+    if gap != 0.0:
+        message = (f"--true-on-policy-mode: at step {step} the engine's log-probs differ from the trainer's by up to "
+                   f"{gap:.3g}; they must be equal bit for bit, so a kernel outside the mode's ran on one side: "
+                   f"report it with `miles doctor RUN_DIR --bundle bug.md`")
+        logger.error(message)
+        raise CheckFailed(message)
 
 
 def log_stop(c: Components | None, cfg: Configs, stop: Stopped) -> None:
@@ -438,7 +452,8 @@ def _worker_preparation(cfg: Configs):
 def build_engine(path, tokenizer, cfg: Configs, *, weight_version: int, closers: contextlib.ExitStack,
                  launch=None) -> Engine:
     """The rollout engine. Local: bf16 weights in bf16 runs; in true on-policy mode the trainer's
-    own numerics instead (fp32 weights under the trainer's autocast) and a check of every rollout.
+    own numerics instead (fp32 weights under the trainer's autocast; on a GPU the batch-invariant
+    kernels) and a check of every rollout against the trainer's scoring.
     Remote: the servers of --sglang-url / --vllm-url, or ones started on `path` (by `launch`, engine
     actors on Ray, when given); no model loaded here."""
     model_cfg = cfg.model
@@ -459,6 +474,8 @@ def build_engine(path, tokenizer, cfg: Configs, *, weight_version: int, closers:
         model = load_causal_lm(path, dtype=dtype, **load)
         return LocalEngine(model, eos_token_ids=eos_token_ids(model, tokenizer), **common)
     model = load_causal_lm(path, dtype=torch.float32, **load)
+    # Its decode steps replay the autocast's casts in CUDA graphs, so it casts without a cache.
+    engine_autocast = functools.partial(mixed_precision, model_cfg.precision, model_cfg.device, cache=False)
     autocast = functools.partial(mixed_precision, model_cfg.precision, model_cfg.device)
     score = functools.partial(score_sequences, micro_batch_size=cfg.train.micro_batch_size,
                               temperature=cfg.rollout.sampling.temperature, pad_token_id=tokenizer.pad_token_id,
@@ -466,8 +483,6 @@ def build_engine(path, tokenizer, cfg: Configs, *, weight_version: int, closers:
     logger.info("--true-on-policy-mode: the engine samples from the trainer's own computation (score_rollout, "
                 "micro-batch %d, %s, --qkv-format %s) and reports its log-probs", cfg.train.micro_batch_size,
                 model_cfg.precision, cfg.train.qkv_format)
-    # Its decode steps replay the autocast's casts in CUDA graphs, so it casts without a cache.
-    engine_autocast = functools.partial(mixed_precision, model_cfg.precision, model_cfg.device, cache=False)
     return LocalEngine(model, eos_token_ids=eos_token_ids(model, tokenizer), autocast=engine_autocast,
                        verifier=TrainerComputationVerifier(score), **common)
 

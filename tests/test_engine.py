@@ -358,3 +358,29 @@ def test_the_fast_path_samples_with_the_compiled_sampler_under_compile(tiny_mode
     model = load_causal_lm(tiny_model, device="cpu", attention_backend="sdpa")
     assert LocalEngine(model, eos_token_ids=[], pad_token_id=0, compile=True).decoder.sample is compiled_sample_tokens
     assert LocalEngine(model, eos_token_ids=[], pad_token_id=0).decoder.sample is sample_tokens
+
+
+def test_under_autocast_the_fast_path_computes_the_models_numbers_from_weights_cast_once(tiny_qwen):
+    """fp32 weights under bf16 autocast (true on-policy mode): the runner's projections and LM head run on
+    bf16 copies made once, bitwise what autocast computes from the fp32 weights; a weight written after
+    (a sync) reaches its copy."""
+    from miles.rollout.local.runner import ModelRunner
+
+    model = load_causal_lm(tiny_qwen, device="cpu", attention_backend="sdpa")
+    runner = ModelRunner(model, cuda_graphs=False)
+    runner.reserve(2, 64)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+
+    def both():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            fast = runner.prefill([0, 1], prompts)
+            hf = torch.stack([model(input_ids=torch.tensor([p])).logits[0, -1] for p in prompts])
+        return fast, hf
+
+    fast, hf = both()
+    assert fast.dtype == torch.bfloat16 and torch.equal(fast, hf)
+    assert len(runner._casts()) == 1 + 5 * model.config.num_hidden_layers  # the LM head; 4 projections, q/k/v bias
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight.mul_(1.5)
+    again, hf_again = both()
+    assert torch.equal(again, hf_again) and not torch.equal(again, fast)

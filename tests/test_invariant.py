@@ -142,6 +142,22 @@ def test_the_draw_is_the_plain_samplers_and_a_row_draws_alone_as_in_a_batch(devi
     assert invariant.sample(edge, torch.tensor([0.4999], dtype=torch.float64, device=device), 1.0)[0].item() == 1
 
 
+def test_the_trainers_log_sum_exp_gives_the_draws_log_probs_bitwise(device):
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(12, 9000, generator=g) * 4).to(device, dtype_for(device))
+    u = torch.rand(12, generator=g, dtype=torch.float64).to(device)
+    for temperature in (1.0, 0.7):
+        tokens, log_probs = invariant.sample(logits, u, temperature)
+        x = logits.float() / temperature  # what the trainer's chunked log-probs compute
+        assert torch.equal(x.gather(-1, tokens[:, None])[:, 0] - invariant.logsumexp(x), log_probs)
+        torch.testing.assert_close(invariant.logsumexp(x), x.logsumexp(-1))
+    x = torch.randn(3, 500, generator=g).to(device).requires_grad_()
+    invariant.logsumexp(x).square().sum().backward()
+    reference = x.detach().clone().requires_grad_()
+    reference.logsumexp(-1).square().sum().backward()
+    torch.testing.assert_close(x.grad, reference.grad)
+
+
 @needs_triton
 def test_enable_routes_only_cuda_ops_and_disable_puts_torchs_back():
     a = torch.randn(4, 8)
@@ -158,8 +174,8 @@ def test_enable_routes_only_cuda_ops_and_disable_puts_torchs_back():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bf16_true_on_policy_run_redraws_nothing(tiny_args):
-    """The engine decodes what the trainer computes: every rollout passes the check in its first round,
-    and the log-probs it reports are the trainer's."""
+    """The engine decodes what the trainer computes: every rollout passes the check in its first round, and
+    the log-probs it reports are the trainer's."""
     from test_train import metrics, run
 
     try:
@@ -167,9 +183,10 @@ def test_bf16_true_on_policy_run_redraws_nothing(tiny_args):
                            "--num-rollout", "3", "--rollout-max-response-len", "48"))
     finally:
         invariant.disable()
+    assert len(rows) == 3
     for r in rows:
         assert r["rollout/true_on_policy_redrawn"] == 0
-        assert r["forward_logp_max_diff"] == 0.0
+        assert r["forward_logp_max_diff"] == 0.0 and r["train/train_rollout_logprob_abs_diff"] == 0.0
 
 
 @pytest.mark.gpu

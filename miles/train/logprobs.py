@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from miles.utils import invariant
+
 
 @dataclass(frozen=True)
 class OutputHead:
@@ -91,7 +93,8 @@ def _chunk(head: OutputHead, hidden, targets, temperature: float, with_entropy: 
     raw logits (rows, V) or None."""
     raw = head.logits(hidden)  # (rows, V) fp32
     logits = raw / temperature if temperature > 0 else raw
-    log_z = logits.logsumexp(-1)
+    # --true-on-policy-mode on a GPU: the log-sum-exp the engine's draw reports its log-probs with
+    log_z = invariant.logsumexp(logits) if invariant.enabled() and logits.is_cuda else logits.logsumexp(-1)
     log_probs = logits.gather(-1, targets[:, None]).squeeze(-1) - log_z
     entropy = None
     if with_entropy:

@@ -185,9 +185,24 @@ class _Packed:
         return self.packed
 
 
+class _Cast:
+    """`weight` in `dtype`, as autocast casts it at every use (fp32 weights under bf16 autocast: true on-policy
+    mode), made once and written again in place when the weight changed, so CUDA graphs keep reading it."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
+        self.weight, self.copy, self.version = weight, weight.detach().to(dtype), weight._version
+
+    def get(self) -> torch.Tensor:
+        if self.version != self.weight._version:
+            self.copy.copy_(self.weight.detach())
+            self.version = self.weight._version
+        return self.copy
+
+
 class _LayerWeights:
     """One decoder layer's tensors as the layer functions take them; fused blocks are views. With `pack`
-    (the CPU decode in fp32, not compiled) the four projections also in oneDNN's packed layout."""
+    (the CPU decode in fp32, not compiled) the four projections also in oneDNN's packed layout; under
+    autocast (`cast`), the projections and biases as the autocast dtype's copies (_Cast)."""
 
     def __init__(self, layer, pack: bool = False):
         attn, mlp = layer.self_attn, layer.mlp
@@ -201,12 +216,28 @@ class _LayerWeights:
         self.o_w, self.o_b = attn.o_proj.weight, attn.o_proj.bias
         self.down_w = mlp.down_proj.weight
         self.packed = [_Packed(w) for w in (self.qkv_w, self.o_w, self.gate_up_w, self.down_w)] if pack else None
+        self.casts: list[_Cast | None] = []  # of qkv_w, o_w, gate_up_w, down_w, qkv_b, o_b, in `cast_dtype`
+        self.cast_dtype = None
 
-    def projections(self) -> tuple[torch.Tensor, ...]:
+    def projections(self, cast: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
         """The q/k/v, output, gate/up and down weights as the layer functions take them."""
+        if cast is not None:
+            return tuple(c.get() for c in self._casts(cast)[:4])
         if self.packed is None:
             return self.qkv_w, self.o_w, self.gate_up_w, self.down_w
         return tuple(p.get() for p in self.packed)
+
+    def biases(self, cast: torch.dtype | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The q/k/v and output biases (None where the model has none)."""
+        if cast is None:
+            return self.qkv_b, self.o_b
+        return tuple(c.get() if c is not None else None for c in self._casts(cast)[4:])
+
+    def _casts(self, dtype: torch.dtype) -> list[_Cast | None]:
+        if self.cast_dtype != dtype:
+            tensors = (self.qkv_w, self.o_w, self.gate_up_w, self.down_w, self.qkv_b, self.o_b)
+            self.casts, self.cast_dtype = [_Cast(t, dtype) if t is not None else None for t in tensors], dtype
+        return self.casts
 
     def current(self) -> bool:
         """Whether the modules' weights are still views of the fused tensors (moving the model
@@ -244,6 +275,7 @@ class ModelRunner:
         self.pack = (self.device.type == "cpu" and self.dtype == torch.float32 and not compile
                      and torch.backends.mkldnn.is_available())
         self._head = _Packed(model.lm_head.weight) if self.pack and model.lm_head.bias is None else None
+        self._head_cast: _Cast | None = None
 
     @property
     def num_layers(self) -> int:
@@ -297,25 +329,39 @@ class ModelRunner:
 
     # -- one transformer layer over rows of tokens ---------------------------------------------------
 
+    def _cast(self) -> torch.dtype | None:
+        """Under an autocast to a narrower dtype than the weights' (fp32 weights, bf16 autocast: true on-policy
+        mode), the dtype the projections run in from copies made once; else None (the weights as they are)."""
+        if self.dtype != torch.float32 or not torch.is_autocast_enabled(self.device.type):
+            return None
+        dtype = torch.get_autocast_dtype(self.device.type)
+        return dtype if dtype != torch.float32 else None
+
     def _qkv(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        w = self._weights[i]
-        return self._pre(x, w.norm, w.projections()[0], w.qkv_b, w.q_norm, w.k_norm, cos, sin, heads=self.q_heads,
-                         kv_heads=self.kv_heads, eps=self.eps)
+        w, cast = self._weights[i], self._cast()
+        return self._pre(x, w.norm, w.projections(cast)[0], w.biases(cast)[0], w.q_norm, w.k_norm, cos, sin,
+                         heads=self.q_heads, kv_heads=self.kv_heads, eps=self.eps)
 
     def _finish_layer(self, i: int, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        w = self._weights[i]
-        _, o_w, gate_up_w, down_w = w.projections()
-        return self._post(x, attended.reshape(x.shape[0], -1), o_w, w.o_b, w.post_norm, gate_up_w, down_w,
-                          eps=self.eps)
+        w, cast = self._weights[i], self._cast()
+        _, o_w, gate_up_w, down_w = w.projections(cast)
+        return self._post(x, attended.reshape(x.shape[0], -1), o_w, w.biases(cast)[1], w.post_norm, gate_up_w,
+                          down_w, eps=self.eps)
 
     def _lm_head(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         h = self.inner.norm(x)
         head = self.model.lm_head
+        if (cast := self._cast()) is not None:  # as autocast computes head(h), from a copy cast once
+            made = self._head_cast
+            if made is None or made.copy.dtype != cast or made.weight is not head.weight:
+                self._head_cast = _Cast(head.weight, cast)
+            logits = F.linear(h, self._head_cast.get(), None if head.bias is None else head.bias.to(cast))
+            return logits if out is None else out.copy_(logits)
         if self._head is not None and self._head.weight is head.weight:
             logits = _linear(h, self._head.get())
             return logits if out is None else out.copy_(logits)
-        if out is None or head.bias is not None or h.dtype != out.dtype or torch.is_autocast_enabled(h.device.type):
-            logits = head(h)  # the module, as autocast casts for it (true on-policy mode)
+        if out is None or head.bias is not None or h.dtype != out.dtype:
+            logits = head(h)
             return logits if out is None else out.copy_(logits)
         return torch.mm(h, head.weight.t(), out=out)
 
@@ -423,6 +469,8 @@ class ModelRunner:
         graph = self._graphs.get((batch, width)) or self._capture(batch, width)
         self._tokens[:batch].copy_(tokens)
         self._positions[:batch].copy_(positions)
+        for cast in self._casts():  # a weight written since (a sync) reaches its copy, which the graph reads
+            cast.get()
         graph.replay()
         return self._logits[:batch]
 
@@ -446,6 +494,11 @@ class ModelRunner:
                                                           values[:batch, :, :width], attn_mask=mask, scale=self.scaling)
             x = self._finish_layer(i, x, attended)
         return self._lm_head(x, out)
+
+    def _casts(self) -> list[_Cast]:
+        """The weights' cast copies made so far (none outside autocast)."""
+        casts = [c for w in self._weights for c in w.casts if c is not None]
+        return casts + ([self._head_cast] if self._head_cast is not None else [])
 
     def _capture(self, batch: int, width: int):
         """Captures the (batch, width) step reading the shared input buffers, writing the logits buffer."""
