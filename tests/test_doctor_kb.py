@@ -10,7 +10,7 @@ import pytest
 
 from miles.cli.main import main
 from miles.debug.doctor.facts import read_facts
-from miles.debug.doctor.knowledge import cases, culprits, distractors
+from miles.debug.doctor.knowledge import cases, culprits, distractors, pending_cases
 
 ISSUE = """### Bug Description
 
@@ -57,6 +57,18 @@ def test_the_knowledge_base_is_real_shaped_and_covers_every_culprit():
         assert c.url.startswith("https://github.com/") and c.evidence and c.evidence_url.startswith("https://")
         assert c.report and c.culprit_detail and c.fix
     assert len({c.framework for c in known}) >= 8
+
+
+def test_the_pending_cases_are_checked_and_kept_out_of_the_base():
+    """kb/pending/ holds checked real cases outside the base (kb/README.md says why): same keys and checks as a
+    case, no URL or id of the base, and not matched against."""
+    pending = pending_cases()
+    assert pending and all(c.culprit in culprits() and c.evidence_url.startswith("https://") for c in pending)
+    base = {c.url for c in (*cases(), *distractors())} | {c.id for c in (*cases(), *distractors())}
+    assert not base & ({c.url for c in pending} | {c.id for c in pending})
+    from miles.debug.doctor.retrieval import default_index
+
+    assert not {c.id for c in pending} & {c.id for c in default_index().cases}
 
 
 def test_facts_of_a_pasted_issue_and_a_pip_freeze():

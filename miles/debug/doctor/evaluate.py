@@ -1,6 +1,7 @@
 """How often the doctor names the culprit its maintainers established, measured honestly.
 
     python -m miles.debug.doctor.evaluate [--clean-runs 3] [--fixtures tests/fixtures/doctor] [--json OUT] [--misses]
+                                          [--with-pending]
 
 - Leave-one-out over the knowledge base: each case's report (what its reporter pasted, `Case.text`)
   is written to a file and read by the doctor as a user's file would be, matched against the
@@ -12,6 +13,8 @@
   models are no clean runs: their step-1 alignment check rightly warns about their response NLL).
 - Planted faults (`--fixtures DIR`): the test suite's doctor fixtures, each with the culprit its
   `expected.json` says must come first (null: a clean run, where no culprit may be named).
+- `--with-pending`: the same with kb/pending/ added to the base, as if those checked cases were in it
+  (they are kept out while they cost more in false alarms than they give: kb/README.md).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles.debug.doctor.knowledge import Case, cases, culprits, distractors
+from miles.debug.doctor.knowledge import Case, cases, culprits, distractors, pending_cases
 
 
 @dataclass
@@ -81,13 +84,14 @@ def clean_runs(n: int, tmp: Path) -> list[Path]:
     return out
 
 
-def planted_faults(directory: Path) -> list[tuple[str, str | None, list[str]]]:
-    """(fixture, expected culprit, culprits named) for each fixture of DIR/expected.json."""
+def planted_faults(directory: Path, index=None) -> list[tuple[str, str | None, list[str]]]:
+    """(fixture, expected culprit, culprits named) for each fixture of DIR/expected.json, against INDEX (default:
+    the whole knowledge base)."""
     from miles.debug.doctor import diagnose
     from miles.debug.doctor.readers import collect
 
     expected = json.loads((directory / "expected.json").read_text())
-    return [(name, want, named_culprits(diagnose(collect([str(directory / name)]))))
+    return [(name, want, named_culprits(diagnose(collect([str(directory / name)]), index)))
             for name, want in expected.items() if not name.startswith("_")]
 
 
@@ -110,12 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fixtures", metavar="DIR", type=Path, help="also score the planted faults of DIR/expected.json")
     ap.add_argument("--json", metavar="OUT", help="also write every outcome as JSON to OUT")
     ap.add_argument("--misses", action="store_true", help="list each case the doctor got wrong")
+    ap.add_argument("--with-pending", action="store_true", help="add the pending cases (kb/pending/) to the base")
     args = ap.parse_args(argv)
     from miles.debug.doctor import diagnose
     from miles.debug.doctor.readers import collect
     from miles.debug.doctor.retrieval import CaseIndex
 
-    known, noise = list(cases()), list(distractors())
+    known, noise = list(cases()) + (list(pending_cases()) if args.with_pending else []), list(distractors())
     base = known + noise
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
@@ -124,10 +129,11 @@ def main(argv: list[str] | None = None) -> int:
         runs = clean_runs(args.clean_runs, tmp) if args.clean_runs else []
         full = CaseIndex(base)
         clean = [(r.name, named_culprits(diagnose(collect([str(r)]), full))) for r in runs]
+        planted = planted_faults(args.fixtures, full if args.with_pending else None) if args.fixtures else []
     n = len(outcomes)
     top1, top3 = sum(o.top1 for o in outcomes), sum(o.top3 for o in outcomes)
-    print(f"knowledge base: {n} cases over {len({c.culprit for c in known})} culprits, {len(noise)} distractors; "
-          "each held out of the base it is matched against")
+    print(f"knowledge base: {n} cases over {len({c.culprit for c in known})} culprits, {len(noise)} distractors"
+          f"{' (pending cases included)' if args.with_pending else ''}; each held out of the base it is matched against")
     print(f"leave-one-out: top-1 {_pct(top1, n)} ({top1}/{n}), top-3 {_pct(top3, n)} ({top3}/{n})\n")
     by_culprit, by_framework = defaultdict(list), defaultdict(list)
     for o in outcomes:
@@ -139,7 +145,6 @@ def main(argv: list[str] | None = None) -> int:
     false_c = [(name, named) for name, named in clean if named]
     print(f"false alarms on distractors: {_pct(len(false_d), len(alarms))} ({len(false_d)}/{len(alarms)})")
     print(f"false alarms on clean runs: {_pct(len(false_c), len(clean))} ({len(false_c)}/{len(clean)})")
-    planted = planted_faults(args.fixtures) if args.fixtures else []
     if planted:
         right = [p for p in planted if (p[2][:1] == [p[1]] if p[1] else not p[2])]
         print(f"planted faults of {args.fixtures}: {_pct(len(right), len(planted))} ({len(right)}/{len(planted)}) "

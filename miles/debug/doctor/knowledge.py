@@ -99,6 +99,15 @@ def distractors() -> tuple[Case, ...]:
     return tuple(out)
 
 
+@lru_cache(maxsize=1)
+def pending_cases() -> tuple[Case, ...]:
+    """Checked real cases kept out of the base the doctor matches against (kb/pending/*.jsonl, see kb/README.md):
+    `python -m miles.debug.doctor.evaluate --with-pending` measures the base with them."""
+    out = [c for p in sorted((KB / "pending").glob("*.jsonl")) for c in _read(p, distractor=False)]
+    _unique([*cases(), *distractors(), *out])
+    return tuple(out)
+
+
 def _unique(rows: list[Case]) -> None:
     for key in ("id", "url"):
         dup = [v for v, n in Counter(getattr(c, key) for c in rows).items() if n > 1]
@@ -108,11 +117,11 @@ def _unique(rows: list[Case]) -> None:
 
 def main() -> int:
     try:
-        cs, ds = cases(), distractors()
+        cs, ds, ps = cases(), distractors(), pending_cases()
     except KBError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{len(cs)} cases, {len(ds)} distractors")
+    print(f"{len(cs)} cases, {len(ds)} distractors, {len(ps)} pending cases (not in the base)")
     by_culprit = Counter(c.culprit for c in cs)
     for cid in culprits():
         print(f"  {cid:32s} {by_culprit.get(cid, 0)}")
