@@ -19,11 +19,11 @@ a Triton kernel whose result for one row depends on that row alone:
     q, k and v rounded to the autocast dtype as SDPA's autocast would; backward through torch's SDPA
     (gradients need no invariance);
   - the sampler's draw (`sample`): one program per row, log-sum-exp in fixed chunks, the inverse CDF
-    in float64 over the same chunks.
+    in float64 over the same chunks; the trainer's log-probs take their log-sum-exp from the same code
+    (`logsumexp`), so both sides give a token the same log-prob.
 
 `enable()` registers the aten kernels for the process (torch.library, the CUDA dispatch key; CPU ops
-are untouched). Other reductions stay torch's: the trainer's log-probs and losses are computed by one
-side only.
+are untouched). Other reductions (losses, metrics) stay torch's: one side alone computes them.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torc
 # -- row mean --------------------------------------------------------------------------------------
 
 def mean_dim(x: torch.Tensor, dim, keepdim: bool = False, *, dtype=None) -> torch.Tensor:
-    dims = [d % x.dim() for d in (dim if dim is not None else range(x.dim()))] if x.dim() else []
+    dims = [d % x.dim() for d in dim] if dim and x.dim() else list(range(x.dim()))  # none or []: every dim
     if dtype is not None:
         x = x.to(dtype)
     if dims != [x.dim() - 1] or not x.is_contiguous() or not x.is_floating_point() or x.shape[-1] > 16384:

@@ -23,7 +23,9 @@ a weight update copied into the parameters is in them. With `compile=True` the t
 go through torch.compile (one trace for every layer and batch), so the elementwise work between
 the matmuls runs as a few fused kernels. On the CPU in fp32 (not compiled) the projections and the LM
 head run on copies of their weights packed once for oneDNN (`_Packed`), packed again when a weight
-update has written into the parameters.
+update has written into the parameters. Under an autocast to bf16 over fp32 weights (true on-policy
+mode) they run on bf16 copies made once (`_Cast`), written again in place after a weight update; on a
+GPU decode attention then runs miles.utils.invariant's kernel: what the trainer computes, bit for bit.
 
 Shapes: S slots, L slot length, H KV heads, Q query heads, D head dim, V vocabulary, N packed tokens.
 """
