@@ -84,6 +84,7 @@ def test_a_disagreeing_token_is_redrawn_and_decoding_resumes(tiny_model, monkeyp
 @pytest.mark.parametrize("flags, words", [
     (["--rollout-top-p", "0.9"], "--rollout-top-p 1"),
     (["--enable-torch-compile"], "--enable-torch-compile runs the engine's layers through Inductor"),
+    (["--actor-num-gpus-per-node", "1"], "the trainer runs in Ray workers"),
 ])
 def test_true_on_policy_usage_errors(tiny_args, flags, words, capsys):
     from miles.cli.main import main

@@ -401,6 +401,10 @@ def _check_cluster_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"--global-batch-size {args.global_batch_size} must split evenly into {ranks} trainer ranks "
                          f"(--actor-num-nodes x --actor-num-gpus-per-node) of whole micro-batches of "
                          f"--micro-batch-size {args.micro_batch_size}: make it a multiple of {ranks * args.micro_batch_size}")
+    if ray_mode and args.true_on_policy_mode:
+        raise UsageError("--true-on-policy-mode needs the engine to compute in the trainer's process what the trainer "
+                         "computes; with --actor-num-nodes / --actor-num-gpus-per-node the trainer runs in Ray workers: "
+                         "drop one of the two")
     if args.colocate and not ray_mode:
         raise UsageError("--colocate places engines on the trainer ranks' devices: it needs --actor-num-gpus-per-node "
                          "(a 1-process run shares its one device already)")
