@@ -15,7 +15,6 @@ from miles.utils import invariant
 from miles.utils.varlen import per_sequence_attention
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
-gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 @pytest.fixture(params=["interpreter", "cuda"])
