@@ -9,7 +9,7 @@ import pytest
 import torch
 
 # Without a GPU, miles.utils.invariant's Triton kernels run in Triton's interpreter (tests/test_invariant.py).
-# Triton reads this once, when the first kernel is made, so it is set before any test imports Triton.
+# Triton reads it where a kernel is defined (miles.utils.invariant_kernels' import), so it is set before any test runs.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
