@@ -28,9 +28,9 @@ are untouched). Other reductions (losses, metrics) stay torch's: one side alone 
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from miles.utils.autocast import autocast_dtype
 
 KEYS = 64  # keys per attention block
 QUERIES = 64  # queries per attention program (the decode's one query fills one row of it)
@@ -138,9 +138,7 @@ def mean_dim(x: torch.Tensor, dim, keepdim: bool = False, *, dtype=None) -> torc
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     """What SDPA computes in here: the autocast dtype inside an autocast region, else the input's."""
-    if torch.is_autocast_enabled(t.device.type):
-        return torch.get_autocast_dtype(t.device.type)
-    return t.dtype
+    return autocast_dtype(t.device.type) or t.dtype
 
 
 def _attend(q, k, v, tiles: tuple[torch.Tensor, ...], *, key_stride: int, head_stride: int,
@@ -257,9 +255,8 @@ def logsumexp(x: torch.Tensor) -> torch.Tensor:
 
 # -- the kernels -----------------------------------------------------------------------------------
 
-@functools.cache
 def _kernels():
-    """miles.utils.invariant_kernels, the Triton kernels (Triton is imported only where they run)."""
+    """miles.utils.invariant_kernels, the Triton kernels (imported, and Triton with them, only where they run)."""
     from miles.utils import invariant_kernels
 
     return invariant_kernels

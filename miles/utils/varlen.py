@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.utils import forward_kernels, invariant
+from miles.utils.autocast import autocast_dtype
 
 
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor,
@@ -66,11 +67,8 @@ def kernel_for(q: torch.Tensor, scale: float | None, dropout: float = 0.0) -> st
 def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The tensors in autocast's dtype when it is on for their device, as SDPA would cast them: under
     bf16 autocast over fp32 weights the rotary embedding hands attention fp32 queries and keys."""
-    device = tensors[0].device.type
-    if not torch.is_autocast_enabled(device):
-        return tensors
-    dtype = torch.get_autocast_dtype(device)
-    return tuple(t.to(dtype) for t in tensors)
+    dtype = autocast_dtype(tensors[0].device.type)
+    return tensors if dtype is None else tuple(t.to(dtype) for t in tensors)
 
 
 def per_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor,

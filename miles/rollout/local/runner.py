@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.utils import invariant
+from miles.utils.autocast import autocast_dtype
 from miles.utils.varlen import packed_causal_attention
 
 logger = logging.getLogger("miles")
@@ -334,9 +335,7 @@ class ModelRunner:
     def _cast(self) -> torch.dtype | None:
         """Under an autocast to a narrower dtype than the weights' (fp32 weights, bf16 autocast: true on-policy
         mode), the dtype the projections run in from copies made once; else None (the weights as they are)."""
-        if self.dtype != torch.float32 or not torch.is_autocast_enabled(self.device.type):
-            return None
-        dtype = torch.get_autocast_dtype(self.device.type)
+        dtype = autocast_dtype(self.device.type) if self.dtype == torch.float32 else None
         return dtype if dtype != torch.float32 else None
 
     def _qkv(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
