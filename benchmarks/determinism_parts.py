@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -88,16 +89,56 @@ def child(parts: list[str], argv: list[str]) -> int:
     """One run: the parts, then `miles train ARGV` in this process."""
     for name in parts:
         part(name)()
+    if profile := os.environ.get("MILES_BENCH_PROFILE"):
+        _profile_third_calls(Path(profile))
     from miles.cli.main import main
 
     return main(["train", *argv])
 
 
-def one_run(name: str, steps: int, extra: list[str], out: Path) -> dict:
+def _profile_third_calls(out: Path) -> None:
+    """--profile: the third call of the engine's generate (the rollout, with true on-policy's check) and of the
+    trainer's train, each under torch's profiler; its table of the largest GPU times goes to OUT/<what>.txt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from miles.rollout.local.engine import LocalEngine
+    from miles.train.trainer import Trainer
+
+    def wrap(cls, method: str):
+        inner, calls = getattr(cls, method), [0]
+
+        def profiled(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] != 3:
+                return inner(*args, **kwargs)
+            import torch
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                result = inner(*args, **kwargs)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+            events = prof.key_averages()
+            busy = sum(e.self_device_time_total for e in events) / 1e6
+            (out / f"{cls.__name__}.{method}.txt").write_text(
+                f"GPU busy {busy:.3f} s\n" + events.table(sort_by="self_device_time_total", row_limit=25,
+                                                           max_name_column_width=70))
+            return result
+
+        setattr(cls, method, profiled)
+
+    wrap(LocalEngine, "generate")
+    wrap(Trainer, "train")
+
+
+def one_run(name: str, steps: int, extra: list[str], out: Path, profile: Path | None = None) -> dict:
     parts, flags = CONFIGS[name]
     argv = ["--num-rollout", str(steps), *extra, *flags, "--output-dir", str(out)]
     cmd = [sys.executable, __file__, "--child", ",".join(parts), "--", *argv]
-    done = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    env = dict(os.environ)
+    if profile is not None:
+        (profile / name).mkdir(parents=True, exist_ok=True)
+        env["MILES_BENCH_PROFILE"] = str(profile / name)
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["?"])[-1]
         return {"failed": last[:160]}
@@ -112,12 +153,13 @@ def one_run(name: str, steps: int, extra: list[str], out: Path) -> dict:
     return result
 
 
-def bench(configs: list[str], steps: int, repeats: int, extra: list[str]) -> None:
+def bench(configs: list[str], steps: int, repeats: int, extra: list[str], profile: Path | None = None) -> None:
     results: dict[str, list[dict]] = {name: [] for name in configs}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(repeats):  # round-robin: drift of the machine spreads over every configuration
             for name in configs:
-                results[name].append(one_run(name, steps, extra, Path(tmp) / f"{name}-{r}"))
+                results[name].append(one_run(name, steps, extra, Path(tmp) / f"{name}-{r}",
+                                             profile if r == 0 else None))
                 print(f"  round {r + 1} {name}: {results[name][-1]}", flush=True)  # a cut run keeps what it had
         identical = {}
         for name in configs:
@@ -237,6 +279,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     ap.add_argument("--qwen-shape", metavar="DIR", type=Path, help="GPU: write and train the Qwen2.5-0.5B-shaped "
                                                                    "random model and prompts under DIR")
+    ap.add_argument("--profile", metavar="DIR", type=Path, help="first round: profile each configuration's third "
+                                                                "generate and train call (GPU), tables under DIR")
     known, extra = ap.parse_known_args()
     if known.digest:
         bench_digest(known.device, known.dtype, known.repeats)
@@ -248,7 +292,7 @@ def main() -> None:
         configs.insert(0, "off")
     if known.qwen_shape:
         extra = qwen_shape_flags(known.qwen_shape) + extra
-    bench(configs, known.steps, known.repeats, extra)
+    bench(configs, known.steps, known.repeats, extra, known.profile)
 
 
 if __name__ == "__main__":

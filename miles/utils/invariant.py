@@ -9,9 +9,9 @@ bits, and a sampled token near a CDF boundary differs (about 8% of tokens on a r
 distributions). Here every operation whose result could depend on the shape it runs in is replaced by
 a Triton kernel whose result for one row depends on that row alone:
 
-  - matmuls (`aten::mm`, `aten::addmm`: every linear layer and the LM head, forward and backward): one
-    tile shape for every problem, each output element accumulated over K in the same order, bias added
-    in fp32 before the one rounding;
+  - matmuls (`aten::mm`, `aten::addmm`: every linear layer and the LM head, forward and backward): tiles
+    chosen from K alone (`tiles_for`), so each output element is accumulated over K in the same order
+    whatever M and N are; bias added in fp32 before the one rounding;
   - row means (`aten::mean.dim` over the last dimension: RMSNorm): one program per row, one fixed tree;
   - attention (`packed_attention` for packed sequences, `slot_attention` for the engine's slot KV
     cache): one program per head and tile of QUERIES consecutive queries of one sequence (the decode: one
@@ -27,6 +27,8 @@ are untouched). Other reductions (losses, metrics) stay torch's: one side alone 
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -92,7 +94,36 @@ def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha
     return out.mul_(alpha).add_(bias, alpha=beta) if beta else out.mul_(alpha)
 
 
-def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+class Tiles(NamedTuple):
+    """How the matmul kernel cuts a problem: tile sizes, warps, pipeline stages, and how many slices of K are
+    accumulated apart (then added in slice order)."""
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    splits: int = 1
+
+
+def tiles_for(k: int, dtype: torch.dtype) -> Tiles:
+    """The tiles of a (M, K) @ (K, N) matmul, from K and the dtype alone: never from M (a row's result never depends
+    on the rows run with it) nor from N (a fused projection's column block, the engine's q/k/v or gate/up in one
+    matmul, runs as the block alone does).
+
+    Long reductions (4096 <= K <= 16384: the MLP's down projection, K 4864 at the Qwen2.5-0.5B shape) run in four
+    slices of K added in order. The engine's decode has 64 rows and N 896 there, which unsliced 128 x 128 tiles
+    spread over 7 of the H200's 132 SMs: 33 us against cuBLAS's 7; 8 us in four slices of 64 x 64 tiles (the
+    trainer's 3072 rows: 59 -> 93 us; a decode step has 24 such matmuls, 256 steps a rollout). The rest run 128 x 128
+    tiles, which the trainer's matmuls, the LM head and the weight gradients (K = a micro-batch's tokens) need
+    (`benchmarks/invariant_tiles.py`; BENCHMARKS.md)."""
+    if dtype == torch.float32:
+        return Tiles(128, 128, 32, 8, 3)
+    if 4096 <= k <= 16384:
+        return Tiles(64, 64, 64, 4, 4, splits=4)
+    return Tiles(128, 128, 64, 8, 3)
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, tiles: Tiles | None = None) -> torch.Tensor:
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({tuple(a.shape)} and {tuple(b.shape)})")
     if a.dtype != b.dtype:
@@ -104,14 +135,20 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torc
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
+    t = tiles or tiles_for(k, a.dtype)
+    k_split = -(-(-(-k // t.splits)) // t.block_k) * t.block_k  # a slice of K, whole K blocks
+    splits = -(-k // k_split)
+    into = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=a.device)
     kernels = _kernels()
-    block_k = 32 if a.dtype == torch.float32 else 64
-    grid = (-(-m // 128), -(-n // 128))
-    kernels.matmul[grid](a, b, bias if bias is not None else a, out, m, n, k, a.stride(0), a.stride(1),
-                         b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-                         bias.stride(0) if bias is not None else 0, HAS_BIAS=bias is not None,
-                         IEEE=a.dtype == torch.float32, BLOCK_M=128, BLOCK_N=128, BLOCK_K=block_k,
-                         num_warps=8, num_stages=3)
+    kernels.matmul[(-(-m // t.block_m), -(-n // t.block_n), splits)](
+        a, b, bias if bias is not None and splits == 1 else a, into, m, n, k, k_split, a.stride(0), a.stride(1),
+        b.stride(0), b.stride(1), into.stride(-2), into.stride(-1), bias.stride(0) if bias is not None else 0,
+        HAS_BIAS=bias is not None and splits == 1, IEEE=a.dtype == torch.float32, BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages)
+    if splits > 1:
+        block = 1024
+        kernels.split_sum[(-(-m * n // block),)](into, bias.contiguous() if bias is not None else into, out, m, n,
+                                                 SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=block)
     return out
 
 

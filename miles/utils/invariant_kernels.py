@@ -7,17 +7,22 @@ import triton.language as tl
 
 
 @triton.jit
-def matmul(a, b, bias, c, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_bias, HAS_BIAS: tl.constexpr,
+def matmul(a, b, bias, c, M, N, K, K_SPLIT, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_bias, HAS_BIAS: tl.constexpr,
            IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """C = A @ B (+ bias) over the K columns [k_lo, k_lo + K_SPLIT) of program_id(2)'s split; with more than
+    one split, C is split-major fp32 partials (no bias) that `split_sum` adds in split order."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_lo = tl.program_id(2) * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    c += tl.program_id(2).to(tl.int64) * M * N
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + rk
-        x = tl.load(a + rm[:, None] * s_am + kk[None, :] * s_ak, mask=(rm[:, None] < M) & (kk[None, :] < K),
+        x = tl.load(a + rm[:, None] * s_am + kk[None, :] * s_ak, mask=(rm[:, None] < M) & (kk[None, :] < k_hi),
                     other=0.0)
-        w = tl.load(b + kk[:, None] * s_bk + rn[None, :] * s_bn, mask=(kk[:, None] < K) & (rn[None, :] < N),
+        w = tl.load(b + kk[:, None] * s_bk + rn[None, :] * s_bn, mask=(kk[:, None] < k_hi) & (rn[None, :] < N),
                     other=0.0)
         if IEEE:
             acc = tl.dot(x, w, acc, input_precision="ieee")
@@ -27,6 +32,18 @@ def matmul(a, b, bias, c, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_bias, H
         acc += tl.load(bias + rn * s_bias, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     tl.store(c + rm[:, None] * s_cm + rn[None, :] * s_cn, acc.to(c.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+@triton.jit
+def split_sum(partials, bias, c, M, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """C = the SPLITS fp32 partials (SPLITS, M, N) added in split order (+ bias, in fp32), rounded once."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < M * N
+    acc = tl.load(partials + i, mask=inside, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(partials + s * M * N + i, mask=inside, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias + i % N, mask=inside, other=0.0).to(tl.float32)
+    tl.store(c + i, acc.to(c.dtype.element_ty), mask=inside)
 
 @triton.jit
 def row_mean(x, out, N, BLOCK: tl.constexpr):
