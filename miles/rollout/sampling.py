@@ -76,9 +76,8 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, uniforms: torc
     `top_k` (None: the whole vocabulary) is `miles serve`'s; `miles train` never sets it.
     """
     if sampling.temperature == 0 and invariant.enabled() and logits.is_cuda:  # as the trainer computes it
-        x = logits.float()
-        tokens = x.argmax(dim=-1)
-        return tokens, x.gather(-1, tokens[:, None]).squeeze(-1) - invariant.logsumexp(x)
+        tokens = logits.argmax(dim=-1)
+        return tokens, invariant.token_log_probs(logits, tokens)[0]
     if sampling.temperature == 0:
         log_probs = torch.log_softmax(logits.float(), dim=-1)
         tokens = log_probs.argmax(dim=-1)

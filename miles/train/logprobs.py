@@ -93,9 +93,11 @@ def _chunk(head: OutputHead, hidden, targets, temperature: float, with_entropy: 
     raw logits (rows, V) or None."""
     raw = head.logits(hidden)  # (rows, V) fp32
     logits = raw / temperature if temperature > 0 else raw
-    # --true-on-policy-mode on a GPU: the log-sum-exp the engine's draw reports its log-probs with
-    log_z = invariant.logsumexp(logits) if invariant.enabled() and logits.is_cuda else logits.logsumexp(-1)
-    log_probs = logits.gather(-1, targets[:, None]).squeeze(-1) - log_z
+    if invariant.enabled() and raw.is_cuda:  # --true-on-policy-mode on a GPU: what the engine's draw reports
+        log_probs, log_z = invariant.token_log_probs(raw, targets, temperature if temperature > 0 else 1.0)
+    else:
+        log_z = logits.logsumexp(-1)
+        log_probs = logits.gather(-1, targets[:, None]).squeeze(-1) - log_z
     entropy = None
     if with_entropy:
         with torch.no_grad():

@@ -99,44 +99,60 @@ def attention(q, k, v, o, tile_first, tile_count, tile_position, tile_base, s_qn
     tl.store(o + (first + r)[:, None] * s_on + h * s_oh + d[None, :], (acc / total[:, None]).to(o.dtype.element_ty),
              mask=rows)
 
-@triton.jit
-def row_logsumexp(base, V, temperature, CHUNK: tl.constexpr):
-    """log-sum-exp of one row's V entries / temperature, chunk by chunk (shared by the two kernels below)."""
-    offs = tl.arange(0, CHUNK)
-    m = tl.full((), float("-inf"), tl.float32)
-    total = tl.zeros((), tl.float32)
-    for c0 in range(0, V, CHUNK):
-        x = tl.load(base + c0 + offs, mask=c0 + offs < V, other=float("-inf")).to(tl.float32) / temperature
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        total = total * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-        m = m_new
-    return m + tl.log(total)
+# The softmax's mass is summed in fixed point: each exp(x - max) in [0, 1] as a whole number of 2^-40ths (rounded
+# down), added as int64. Integer addition is exact, so a row's sum, its log-sum-exp and its draw do not depend on
+# the order the kernel adds in, which Triton picks from the layout of the loads (16 bytes a thread: 8 bf16 logits,
+# 4 fp32 ones), so the engine's draw over bf16 logits and the trainer's log-probs over fp32 ones agree bit for bit.
+FRACTION = tl.constexpr(2.0 ** 40)  # V * 2^40 fits int64 for vocabularies under 2^23
+INVERSE = tl.constexpr(2.0 ** -40)
+
 
 @triton.jit
-def logsumexp(x, s_row, out, V, CHUNK: tl.constexpr):
+def scaled(base, at, V, temperature):
+    """The logits at `at` of one row, divided by the temperature (rounded as IEEE division rounds); -inf past V."""
+    return tl.div_rn(tl.load(base + at, mask=at < V, other=float("-inf")).to(tl.float32), temperature)
+
+
+@triton.jit
+def row_log_z(base, V, temperature, CHUNK: tl.constexpr):
+    """(max, mass, log-sum-exp) of one row's V logits / temperature: max exact, mass the fixed-point sum of
+    exp(x - max) (int64, 2^-40ths), log-sum-exp = max + log(mass / 2^40)."""
+    offs = tl.arange(0, CHUNK)
+    m = tl.full((), float("-inf"), tl.float32)
+    for c0 in range(0, V, CHUNK):
+        m = tl.maximum(m, tl.max(scaled(base, c0 + offs, V, temperature), axis=0))
+    mass = tl.zeros((), tl.int64)
+    for c0 in range(0, V, CHUNK):
+        mass += tl.sum((tl.exp(scaled(base, c0 + offs, V, temperature) - m) * FRACTION).to(tl.int64), axis=0)
+    return m, mass, m + tl.log(mass.to(tl.float32) * INVERSE)
+
+@triton.jit
+def token_log_probs(x, s_row, targets, log_probs, log_z, V, temperature, CHUNK: tl.constexpr):
+    """Each row's log-prob of its target, as `sample` reports it for the token it draws; and its log-sum-exp."""
     row = tl.program_id(0).to(tl.int64)
-    tl.store(out + row, row_logsumexp(x + row * s_row, V, 1.0, CHUNK))
+    base = x + row * s_row
+    _, _, z = row_log_z(base, V, temperature, CHUNK)
+    target = tl.load(targets + row)
+    tl.store(log_probs + row, scaled(base, target, V, temperature) - z)
+    tl.store(log_z + row, z)
 
 @triton.jit
 def sample(logits, s_row, uniforms, tokens, log_probs, V, temperature, CHUNK: tl.constexpr):
+    """One token a row by inverse CDF over the fixed-point masses: the first token whose cumulative mass exceeds
+    uniform * mass (all integers, so exact); its log-prob as `token_log_probs` computes it."""
     row = tl.program_id(0).to(tl.int64)
     base = logits + row * s_row
     offs = tl.arange(0, CHUNK)
-    log_z = row_logsumexp(base, V, temperature, CHUNK)
-    mass = tl.zeros((), tl.float64)
-    for c0 in range(0, V, CHUNK):  # the total mass the draw is scaled by, in float64
-        x = tl.load(base + c0 + offs, mask=c0 + offs < V, other=float("-inf")).to(tl.float32) / temperature
-        mass += tl.sum(tl.exp(x - log_z).to(tl.float64), axis=0)
-    target = tl.load(uniforms + row) * mass
-    below = tl.zeros((), tl.float64)  # the mass of the chunks before
+    m, mass, z = row_log_z(base, V, temperature, CHUNK)
+    target = (tl.load(uniforms + row) * mass.to(tl.float64)).to(tl.int64)  # in [0, mass)
+    below = tl.zeros((), tl.int64)  # the mass of the chunks before
     token = tl.full((), -1, tl.int64)
-    for c0 in range(0, V, CHUNK):  # the first token whose cumulative mass exceeds the target
-        x = tl.load(base + c0 + offs, mask=c0 + offs < V, other=float("-inf")).to(tl.float32) / temperature
-        cdf = below + tl.cumsum(tl.exp(x - log_z).to(tl.float64), axis=0)
+    for c0 in range(0, V, CHUNK):
+        q = (tl.exp(scaled(base, c0 + offs, V, temperature) - m) * FRACTION).to(tl.int64)
+        cdf = below + tl.cumsum(q, axis=0)
         passed = tl.sum((cdf <= target).to(tl.int64), axis=0)  # entries still at or below the target
         token = tl.where((token < 0) & (passed < CHUNK) & (c0 + passed < V), c0 + passed, token)
-        below = tl.max(cdf, axis=0)
+        below += tl.sum(q, axis=0)
     token = tl.where(token < 0, V - 1, token)
-    x = tl.load(base + token).to(tl.float32) / temperature
     tl.store(tokens + row, token)
-    tl.store(log_probs + row, x - log_z)
+    tl.store(log_probs + row, scaled(base, token, V, temperature) - z)
