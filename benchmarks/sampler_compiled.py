@@ -1,10 +1,12 @@
-"""The fast path's sampler, eager vs compiled (--enable-torch-compile), side by side in one run.
+"""The fast path's sampler, eager vs compiled (--enable-torch-compile), and on a GPU with Triton the
+batch-invariant draw (`miles.utils.invariant.sample`: --true-on-policy-mode), side by side in one run.
 
     python benchmarks/sampler_compiled.py [--batch 128] [--vocab 151936] [--device cuda]
 
 Draws from random bf16 logits (scales 1 and 4: flat and peaked distributions) with one uniform per
-row, by `sample_tokens` and by `compiled_sample_tokens`: prints how many tokens agree, the largest
-log-prob difference, and the time of a call of each (mean of 50, after a warm-up that compiles).
+row: prints how many tokens each sampler shares with the eager one, the largest log-prob difference,
+and the time of a call of each (mean of 50, after a warm-up that compiles); on a GPU also the time of a
+call replayed in a CUDA graph of 50 (no launch time), as the engine's decode steps run.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from miles.config import SamplingParams
 from miles.rollout.sampling import compiled_sample_tokens, sample_tokens
+from miles.utils import invariant
 
 
 def sync(device: str) -> None:
@@ -32,26 +35,47 @@ def main() -> None:
     args = p.parse_args()
     g = torch.Generator(device=args.device).manual_seed(0)
     sampling = SamplingParams(max_new_tokens=1, temperature=1.0, top_p=1.0)
-    agree = total = 0
-    worst = 0.0
+    samplers = {"eager": sample_tokens, "compiled": compiled_sample_tokens}
+    if args.device == "cuda" and invariant.available():
+        samplers["invariant"] = lambda logits, sampling, u: invariant.sample(logits, u, sampling.temperature)
+    agree = dict.fromkeys(samplers, 0)
+    worst = dict.fromkeys(samplers, 0.0)
+    total = 0
     for scale in (1.0, 4.0):
         for _ in range(args.draws):
             logits = (torch.randn(args.batch, args.vocab, generator=g, device=args.device) * scale).bfloat16()
             u = torch.rand(args.batch, generator=g, device=args.device, dtype=torch.float64)
             eager_tok, eager_logp = sample_tokens(logits, sampling, u)
-            tok, logp = compiled_sample_tokens(logits, sampling, u)
-            agree += int((tok == eager_tok).sum())
-            total += tok.numel()
-            worst = max(worst, float((logp - eager_logp).abs().max()))
-    print(f"batch {args.batch} x vocab {args.vocab} on {args.device}: compiled vs eager tokens agree {agree}/{total}, "
-          f"max log-prob difference {worst:.2e}")
-    for name, sample in (("eager", sample_tokens), ("compiled", compiled_sample_tokens)):
+            total += eager_tok.numel()
+            for name, sample in samplers.items():
+                tok, logp = sample(logits, sampling, u)
+                agree[name] += int((tok == eager_tok).sum())
+                worst[name] = max(worst[name], float((logp - eager_logp).abs().max()))
+    print(f"batch {args.batch} x vocab {args.vocab} on {args.device}; tokens shared with the eager sampler, largest "
+          f"log-prob difference, us a call")
+    for name, sample in samplers.items():
         sync(args.device)
         start = time.perf_counter()
         for _ in range(50):
             sample(logits, sampling, u)
         sync(args.device)
-        print(f"  {name:<8} sampler: {(time.perf_counter() - start) / 50 * 1e6:,.0f} us a call")
+        launched = (time.perf_counter() - start) / 50 * 1e6
+        replayed = ""
+        if args.device == "cuda":
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(50):
+                        sample(logits, sampling, u)
+                graph.replay()
+                sync(args.device)
+                start = time.perf_counter()
+                graph.replay()
+                sync(args.device)
+                replayed = f", {(time.perf_counter() - start) / 50 * 1e6:,.0f} us in a CUDA graph"
+            except RuntimeError as e:  # one sampler failing to capture must not lose the others' figures
+                replayed = f", no CUDA graph ({str(e).splitlines()[0][:80]})"
+        print(f"  {name:<9} {agree[name]}/{total} tokens, {worst[name]:.2e}; {launched:,.0f} us a call{replayed}")
 
 
 if __name__ == "__main__":

@@ -196,6 +196,20 @@ def test_the_log_sum_exp_does_not_depend_on_the_order_of_the_vocabulary(device):
         assert torch.equal(invariant.token_log_probs(shuffled, targets)[1], log_z)
 
 
+def test_the_draw_does_not_depend_on_how_the_vocabulary_is_cut_into_blocks(device, monkeypatch):
+    # The draw sums each block of CHUNK logits apart, then the blocks; in integers, so any cut gives the same
+    # tokens and log-probs, also for uniforms that fall on a block's boundary.
+    g = torch.Generator().manual_seed(6)
+    logits = (torch.randn(8, 9000, generator=g) * 2).to(device)
+    u = torch.rand(8, generator=g, dtype=torch.float64).to(device)
+    u[:4] = torch.softmax(logits[:4].double().cpu() / 0.7, -1)[:, :1024 * 3].sum(-1).to(device)  # block ends
+    want = invariant.sample(logits, u, 0.7)
+    for chunk in (1024, 2048):
+        monkeypatch.setattr(invariant, "CHUNK", chunk)
+        got = invariant.sample(logits, u, 0.7)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @needs_triton
 def test_enable_routes_only_cuda_ops_and_disable_puts_torchs_back():
     a = torch.randn(4, 8)

@@ -271,14 +271,25 @@ def _rows(logits: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of `logits` (B, V), drawn from softmax(logits / temperature) by inverse CDF with
-    uniforms (B,) in float64; returns (tokens (B,), their log-probs (B,) in fp32, as `token_log_probs` gives them)."""
+    uniforms (B,) in float64; returns (tokens (B,), their log-probs (B,) in fp32, as `token_log_probs` gives them).
+
+    Three kernels, the first two over every (row, block of CHUNK logits) at once: block maxes, block masses (fixed
+    point, against the row's max), then per row the block and the token the uniform falls on."""
     batch, vocab = logits.shape
     tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
     log_probs = torch.empty(batch, dtype=torch.float32, device=logits.device)
     if batch:
-        logits = _rows(logits)
-        _kernels().sample[(batch,)](logits, logits.stride(0), uniforms.to(logits.device, torch.float64).contiguous(),
-                                    tokens, log_probs, vocab, float(temperature), CHUNK=CHUNK)
+        logits, kernels = _rows(logits), _kernels()
+        blocks = -(-vocab // CHUNK)
+        width = max(2, 1 << (blocks - 1).bit_length())  # a power of two >= blocks
+        maxes = torch.empty(batch, blocks, dtype=torch.float32, device=logits.device)
+        masses = torch.empty(batch, blocks, dtype=torch.int64, device=logits.device)
+        kernels.block_max[(batch, blocks)](logits, logits.stride(0), maxes, vocab, float(temperature), CHUNK=CHUNK)
+        kernels.block_mass[(batch, blocks)](logits, logits.stride(0), maxes, masses, vocab, float(temperature),
+                                            CHUNK=CHUNK, BLOCKS=width)
+        kernels.draw[(batch,)](logits, logits.stride(0), maxes, masses,
+                               uniforms.to(logits.device, torch.float64).contiguous(), tokens, log_probs, vocab,
+                               float(temperature), blocks, CHUNK=CHUNK, BLOCKS=width)
     return tokens, log_probs
 
 

@@ -137,22 +137,43 @@ def token_log_probs(x, s_row, targets, log_probs, log_z, V, temperature, CHUNK: 
     tl.store(log_z + row, z)
 
 @triton.jit
-def sample(logits, s_row, uniforms, tokens, log_probs, V, temperature, CHUNK: tl.constexpr):
-    """One token a row by inverse CDF over the fixed-point masses: the first token whose cumulative mass exceeds
-    uniform * mass (all integers, so exact); its log-prob as `token_log_probs` computes it."""
+def block_max(logits, s_row, maxes, V, temperature, CHUNK: tl.constexpr):
+    """The draw's first pass, one program per (row, block of CHUNK logits): the block's max of logits / temperature."""
+    row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    at = block * CHUNK + tl.arange(0, CHUNK)
+    tl.store(maxes + row * tl.num_programs(1) + block, tl.max(scaled(logits + row * s_row, at, V, temperature), axis=0))
+
+@triton.jit
+def block_mass(logits, s_row, maxes, masses, V, temperature, CHUNK: tl.constexpr, BLOCKS: tl.constexpr):
+    """The second pass: the row's max (of the block maxes, exact), then the block's fixed-point mass."""
+    row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    blocks = tl.num_programs(1)
+    b = tl.arange(0, BLOCKS)
+    m = tl.max(tl.load(maxes + row * blocks + b, mask=b < blocks, other=float("-inf")), axis=0)
+    at = block * CHUNK + tl.arange(0, CHUNK)
+    q = (tl.exp(scaled(logits + row * s_row, at, V, temperature) - m) * FRACTION).to(tl.int64)
+    tl.store(masses + row * blocks + block, tl.sum(q, axis=0))
+
+@triton.jit
+def draw(logits, s_row, maxes, masses, uniforms, tokens, log_probs, V, temperature, blocks,
+         CHUNK: tl.constexpr, BLOCKS: tl.constexpr):
+    """The last step, one program per row: the row's mass (the blocks' integer masses added), the block whose
+    cumulative mass first exceeds uniform * mass, then the token within it; its log-prob as `token_log_probs`
+    computes it. All sums are integers, so a token's interval does not depend on how the row was cut."""
     row = tl.program_id(0).to(tl.int64)
     base = logits + row * s_row
-    offs = tl.arange(0, CHUNK)
-    m, mass, z = row_log_z(base, V, temperature, CHUNK)
+    b = tl.arange(0, BLOCKS)
+    m = tl.max(tl.load(maxes + row * blocks + b, mask=b < blocks, other=float("-inf")), axis=0)
+    per_block = tl.load(masses + row * blocks + b, mask=b < blocks, other=0)
+    mass = tl.sum(per_block, axis=0)
+    z = m + tl.log(mass.to(tl.float32) * INVERSE)
     target = (tl.load(uniforms + row) * mass.to(tl.float64)).to(tl.int64)  # in [0, mass)
-    below = tl.zeros((), tl.int64)  # the mass of the chunks before
-    token = tl.full((), -1, tl.int64)
-    for c0 in range(0, V, CHUNK):
-        q = (tl.exp(scaled(base, c0 + offs, V, temperature) - m) * FRACTION).to(tl.int64)
-        cdf = below + tl.cumsum(q, axis=0)
-        passed = tl.sum((cdf <= target).to(tl.int64), axis=0)  # entries still at or below the target
-        token = tl.where((token < 0) & (passed < CHUNK) & (c0 + passed < V), c0 + passed, token)
-        below += tl.sum(q, axis=0)
-    token = tl.where(token < 0, V - 1, token)
+    ends = tl.cumsum(per_block, axis=0)
+    block = tl.minimum(tl.sum((ends <= target).to(tl.int32), axis=0), blocks - 1)  # first block ending past it
+    below = tl.sum(tl.where(b < block, per_block, 0), axis=0)
+    at = block * CHUNK + tl.arange(0, CHUNK)
+    cdf = below + tl.cumsum((tl.exp(scaled(base, at, V, temperature) - m) * FRACTION).to(tl.int64), axis=0)
+    token = block * CHUNK + tl.sum((cdf <= target).to(tl.int64), axis=0)
+    token = tl.minimum(token, V - 1)
     tl.store(tokens + row, token)
     tl.store(log_probs + row, scaled(base, token, V, temperature) - z)
