@@ -334,6 +334,21 @@ def test_kv_cache_decode_matches_the_eager_reference(tiny_model, tiny_qwen, path
         assert engine.runner.cache.slots == 3
 
 
+def test_the_compiled_fast_path_decodes_what_the_eager_reference_decodes(tiny_qwen):
+    """--enable-torch-compile: the layers through Inductor, the cache writes fused into the RoPE kernel (prefill
+    and decode), give the tokens of decoding each prompt alone without a cache."""
+    plain, tok = make_engine(tiny_qwen)
+    engine = LocalEngine(plain.model, eos_token_ids=plain.eos_token_ids, pad_token_id=tok.pad_token_id,
+                         decoder="fast", compile=True)
+    prompts = [tok(t)["input_ids"] for t in ("hello", "a much longer prompt", "x")] * 2
+    sampling = sp(24, 1.0, 1.0)
+    u = torch.rand(len(prompts), 24, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    want = eager_decode(engine.model, prompts, sampling, u, set(engine.eos_token_ids), tok.pad_token_id)
+    for out, (tokens, logps) in zip(engine.decode(prompts, sampling, u), want):
+        assert out.token_ids == tokens
+        assert out.log_probs == pytest.approx(logps, abs=1e-4)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_the_compiled_sampler_draws_what_the_eager_one_draws(temperature):
     """--enable-torch-compile's sampler (the plain path fused by torch.compile) draws the eager sampler's

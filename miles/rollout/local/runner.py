@@ -7,7 +7,7 @@ only attention and its cache:
     owns a slot; its token at position p is cached at column p of its slot.
   - prefill: the prompts of a batch packed into one row of tokens (no padding), attention per
     prompt (miles.utils.varlen: torch's `varlen_attn` on a GPU in bf16, one causal SDPA per prompt on the CPU),
-    their keys and values written to their slots in one indexed copy per layer. A prompt that comes
+    their keys and values written to their slots in one indexed copy per layer (in `_pre_attention`). A prompt that comes
     again in the call (a GRPO group) is computed once and its slot copied; on the CPU a prefix the
     prompts share (a chat template's system prompt) is computed once too, the rest attending to it;
   - decode: one token for each of slots [0, b), attending to columns [0, Lb) of its slot under a
@@ -15,9 +15,10 @@ only attention and its cache:
     queries of one head, so GQA reads each cached key once. On a GPU each (b, Lb) bucket's step
     is captured once in a CUDA graph and replayed; its logits land in one shared buffer.
 
-Each layer runs as two pure functions of tensors, `_pre_attention` (norm, one fused q/k/v
-projection, RoPE) and `_post_attention` (output projection, residual, norm, one fused gate/up
-projection, activation, down projection, residual), computing what the HF modules compute. The
+Each layer runs as two functions of tensors, `_pre_attention` (norm, one fused q/k/v projection,
+RoPE, the keys and values written into the cache) and `_post_attention` (output projection,
+residual, norm, one fused gate/up projection, activation, down projection, residual), computing what
+the HF modules compute. The
 fused projections are single tensors whose row blocks *are* the modules' parameters (views), so
 a weight update copied into the parameters is in them. With `compile=True` the two functions
 go through torch.compile (one trace for every layer and batch), so the elementwise work between
@@ -133,8 +134,11 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
 
 
-def _pre_attention(x, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin, *, heads: int, kv_heads: int, eps: float):
-    """Tokens x (N, hidden) -> queries (N, Q, D), keys and values (N, H, D), RoPE applied."""
+def _pre_attention(x, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin, keys, values, slots, positions, *, heads: int,
+                   kv_heads: int, eps: float):
+    """Tokens x (N, hidden) -> queries (N, Q, D), keys and values (N, H, D), RoPE applied; the keys and values also
+    written into the cache `keys` and `values` (S, H, L, D) at (slots[j], positions[j]). Under torch.compile the
+    writes fuse into the kernel that applies RoPE (they were two `index_put_` kernels a layer and step)."""
     h = _linear(_rms_norm(x, norm, eps), qkv_w, qkv_b)
     head_dim = cos.shape[-1]
     q, k, v = h.view(x.shape[0], heads + 2 * kv_heads, head_dim).split([heads, kv_heads, kv_heads], dim=1)
@@ -142,6 +146,8 @@ def _pre_attention(x, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin, *, heads: in
         q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
+    keys[slots, :, positions] = k.to(keys.dtype)
+    values[slots, :, positions] = v.to(values.dtype)
     return q, k, v
 
 
@@ -338,10 +344,13 @@ class ModelRunner:
         dtype = autocast_dtype(self.device.type) if self.dtype == torch.float32 else None
         return dtype if dtype != torch.float32 else None
 
-    def _qkv(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _qkv(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+             positions: torch.Tensor):
+        """Layer i's queries, keys and values of tokens x at (slots, positions), the keys and values cached there."""
         w, cast = self._weights[i], self._cast()
         return self._pre(x, w.norm, w.projections(cast)[0], w.biases(cast)[0], w.q_norm, w.k_norm, cos, sin,
-                         heads=self.q_heads, kv_heads=self.kv_heads, eps=self.eps)
+                         self.cache.keys[i], self.cache.values[i], slots, positions, heads=self.q_heads,
+                         kv_heads=self.kv_heads, eps=self.eps)
 
     def _finish_layer(self, i: int, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         w, cast = self._weights[i], self._cast()
@@ -427,9 +436,7 @@ class ModelRunner:
         cos, sin = self._cos[positions], self._sin[positions]
         x = self.inner.embed_tokens(tokens)  # (N, hidden)
         for i in range(self.num_layers):
-            q, k, v = self._qkv(i, x, cos, sin)
-            self.cache.keys[i][slot_of, :, positions] = k.to(self.dtype)
-            self.cache.values[i][slot_of, :, positions] = v.to(self.dtype)
+            q, k, v = self._qkv(i, x, cos, sin, slot_of, positions)
             if start:
                 attended = self._after_prefix(i, q, slots, lengths, start)
             else:
@@ -483,10 +490,8 @@ class ModelRunner:
         cos, sin = self._cos[positions], self._sin[positions]
         x = self.inner.embed_tokens(tokens)  # (b, hidden)
         for i in range(self.num_layers):
-            q, k, v = self._qkv(i, x, cos, sin)
+            q, _, _ = self._qkv(i, x, cos, sin, rows, positions)
             keys, values = self.cache.keys[i], self.cache.values[i]
-            keys[rows, :, positions] = k.to(self.dtype)
-            values[rows, :, positions] = v.to(self.dtype)
             if invariant.enabled() and q.is_cuda:  # --true-on-policy-mode: what the trainer's attention computes
                 attended = invariant.slot_attention(q, keys, values, positions, self.scaling)
             else:
