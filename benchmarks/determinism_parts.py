@@ -188,7 +188,7 @@ def bench(configs: list[str], steps: int, repeats: int, extra: list[str], profil
                 identical[name] = all(main(["diff-runs", str(runs[0]), str(p)]) == 0 for p in runs[1:])
     print(f"steady steps 2..{steps}, {repeats} runs each, median [min..max] of each run's mean; "
           f"flags: {' '.join(extra) or '(demo recipe)'}")
-    print(f"{'':18}{'step s':>24}{'vs off':>9}{'generate s':>24}{'train+rest s':>24}")
+    print(f"{'':26}{'step s':>24}{'vs off':>9}{'generate s':>24}{'train+rest s':>24}")
     base = _median(results.get("off", []), "step")
     for name, runs in results.items():
         failed = [r["failed"] for r in runs if "failed" in r]
