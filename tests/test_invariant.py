@@ -194,6 +194,13 @@ def test_the_log_sum_exp_does_not_depend_on_the_order_of_the_vocabulary(device):
     for _ in range(3):
         shuffled = logits[:, torch.randperm(9000, generator=g).to(device)]
         assert torch.equal(invariant.token_log_probs(shuffled, targets)[1], log_z)
+    # The largest sum a vocabulary of 2^18 - 1 tokens can make (every term 1, at the unit of its size) fits int64.
+    flat = torch.zeros(2, (1 << 18) - 1, device=device)
+    _, log_z = invariant.token_log_probs(flat, targets[:2])
+    torch.testing.assert_close(log_z, flat.logsumexp(-1))
+    ends = torch.tensor([0.0, 1 - 2 ** -40], dtype=torch.float64, device=device)
+    tokens, log_probs = invariant.sample(flat, ends, 1.0)
+    assert tokens.tolist() == [0, flat.shape[1] - 1] and torch.equal(log_probs, -log_z)
 
 
 def test_the_draw_does_not_depend_on_how_the_vocabulary_is_cut_into_blocks(device, monkeypatch):

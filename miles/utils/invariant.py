@@ -18,13 +18,13 @@ a Triton kernel whose result for one row depends on that row alone:
     query), keys visited from the sequence's first in blocks of KEYS with an online softmax in fp32;
     q, k and v rounded to the autocast dtype as SDPA's autocast would; backward through torch's SDPA
     (gradients need no invariance);
-  - the sampler's draw (`sample`): one program per row; the softmax's mass summed in fixed point (int64:
-    each exp(x - max) in whole 2^-40ths), so neither the sum, nor the log-sum-exp, nor the inverse CDF over
+  - the sampler's draw (`sample`): the softmax's mass summed in fixed point (int64: each exp(x - max) in
+    whole units of 2^-44 at 151,936 tokens), so neither the sum, nor the log-sum-exp, nor the inverse CDF over
     the same integers depends on the order of additions (which Triton picks by the logits' dtype: a bf16
     row and its fp32 copy were summed in other orders, one float32 ulp apart at times); the trainer's
     log-probs come from the same code (`token_log_probs`), so both sides give a token the same log-prob,
-    bit for bit. A token below 2^-40 of the likeliest one's probability cannot be drawn (total variation
-    <= V * 2^-40: 1.4e-7 at 151,936 tokens).
+    bit for bit. A token below one unit of the likeliest one's probability cannot be drawn (total
+    variation <= V * unit: 8.6e-9 at 151,936 tokens, about float32's own rounding of the probabilities).
 
 `enable()` registers the aten kernels for the process (torch.library, the CUDA dispatch key; CPU ops
 are untouched). Other reductions (losses, metrics) stay torch's: one side alone computes them.
@@ -260,13 +260,15 @@ def slot_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, po
 
 # -- sampling --------------------------------------------------------------------------------------
 
-MAX_VOCAB = 1 << 23  # the fixed-point sums of invariant_kernels fit int64 below it
-
-
 def _rows(logits: torch.Tensor) -> torch.Tensor:
-    if logits.shape[-1] >= MAX_VOCAB:
-        raise ValueError(f"batch-invariant sampling takes vocabularies under {MAX_VOCAB}, not {logits.shape[-1]}")
     return logits if logits.stride(-1) == 1 else logits.contiguous()
+
+
+def fixed_point(vocab: int) -> tuple[float, float]:
+    """(units in 1, the unit) of the draw's fixed-point masses for a vocabulary of `vocab` tokens: the unit is
+    2^-(62 - bits of vocab), so a row's vocab terms in [0, 1] add up within int64 (2^-44 at 151,936 tokens)."""
+    bits = 62 - vocab.bit_length()
+    return float(2 ** bits), float(2.0 ** -bits)
 
 
 def sample(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,11 +287,12 @@ def sample(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float) -> 
         maxes = torch.empty(batch, blocks, dtype=torch.float32, device=logits.device)
         masses = torch.empty(batch, blocks, dtype=torch.int64, device=logits.device)
         kernels.block_max[(batch, blocks)](logits, logits.stride(0), maxes, vocab, float(temperature), CHUNK=CHUNK)
-        kernels.block_mass[(batch, blocks)](logits, logits.stride(0), maxes, masses, vocab, float(temperature),
+        units, unit = fixed_point(vocab)
+        kernels.block_mass[(batch, blocks)](logits, logits.stride(0), maxes, masses, vocab, float(temperature), units,
                                             CHUNK=CHUNK, BLOCKS=width)
         kernels.draw[(batch,)](logits, logits.stride(0), maxes, masses,
                                uniforms.to(logits.device, torch.float64).contiguous(), tokens, log_probs, vocab,
-                               float(temperature), blocks, CHUNK=CHUNK, BLOCKS=width)
+                               float(temperature), units, unit, blocks, CHUNK=CHUNK, BLOCKS=width)
     return tokens, log_probs
 
 
@@ -302,7 +305,7 @@ class _TokenLogProbs(torch.autograd.Function):
         if rows:
             logits = _rows(logits)
             _kernels().token_log_probs[(rows,)](logits, logits.stride(0), targets.contiguous(), log_probs, log_z,
-                                                vocab, float(temperature), CHUNK=CHUNK)
+                                                vocab, float(temperature), *fixed_point(vocab), CHUNK=CHUNK)
         ctx.save_for_backward(logits, targets, log_z)
         ctx.temperature = temperature
         ctx.mark_non_differentiable(log_z)

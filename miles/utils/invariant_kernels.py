@@ -99,12 +99,11 @@ def attention(q, k, v, o, tile_first, tile_count, tile_position, tile_base, s_qn
     tl.store(o + (first + r)[:, None] * s_on + h * s_oh + d[None, :], (acc / total[:, None]).to(o.dtype.element_ty),
              mask=rows)
 
-# The softmax's mass is summed in fixed point: each exp(x - max) in [0, 1] as a whole number of 2^-40ths (rounded
-# down), added as int64. Integer addition is exact, so a row's sum, its log-sum-exp and its draw do not depend on
-# the order the kernel adds in, which Triton picks from the layout of the loads (16 bytes a thread: 8 bf16 logits,
-# 4 fp32 ones), so the engine's draw over bf16 logits and the trainer's log-probs over fp32 ones agree bit for bit.
-FRACTION = tl.constexpr(2.0 ** 40)  # V * 2^40 fits int64 for vocabularies under 2^23
-INVERSE = tl.constexpr(2.0 ** -40)
+# The softmax's mass is summed in fixed point: each exp(x - max) in [0, 1] as a whole number of `unit`s (rounded
+# down; unit = 2^-F with F = 62 - bits of V, so V such terms fit int64: 2^-44 at 151,936 tokens), added as int64.
+# Integer addition is exact, so a row's sum, its log-sum-exp and its draw do not depend on the order the kernel
+# adds in, which Triton picks from the layout of the loads (16 bytes a thread: 8 bf16 logits, 4 fp32 ones), so the
+# engine's draw over bf16 logits and the trainer's log-probs over fp32 ones agree bit for bit.
 
 
 @triton.jit
@@ -114,24 +113,24 @@ def scaled(base, at, V, temperature):
 
 
 @triton.jit
-def row_log_z(base, V, temperature, CHUNK: tl.constexpr):
+def row_log_z(base, V, temperature, units, unit, CHUNK: tl.constexpr):
     """(max, mass, log-sum-exp) of one row's V logits / temperature: max exact, mass the fixed-point sum of
-    exp(x - max) (int64, 2^-40ths), log-sum-exp = max + log(mass / 2^40)."""
+    exp(x - max) (int64, in units: `units` = 1 / `unit` of them make 1), log-sum-exp = max + log(mass * unit)."""
     offs = tl.arange(0, CHUNK)
     m = tl.full((), float("-inf"), tl.float32)
     for c0 in range(0, V, CHUNK):
         m = tl.maximum(m, tl.max(scaled(base, c0 + offs, V, temperature), axis=0))
     mass = tl.zeros((), tl.int64)
     for c0 in range(0, V, CHUNK):
-        mass += tl.sum((tl.exp(scaled(base, c0 + offs, V, temperature) - m) * FRACTION).to(tl.int64), axis=0)
-    return m, mass, m + tl.log(mass.to(tl.float32) * INVERSE)
+        mass += tl.sum((tl.exp(scaled(base, c0 + offs, V, temperature) - m) * units).to(tl.int64), axis=0)
+    return m, mass, m + tl.log(mass.to(tl.float32) * unit)
 
 @triton.jit
-def token_log_probs(x, s_row, targets, log_probs, log_z, V, temperature, CHUNK: tl.constexpr):
+def token_log_probs(x, s_row, targets, log_probs, log_z, V, temperature, units, unit, CHUNK: tl.constexpr):
     """Each row's log-prob of its target, as `sample` reports it for the token it draws; and its log-sum-exp."""
     row = tl.program_id(0).to(tl.int64)
     base = x + row * s_row
-    _, _, z = row_log_z(base, V, temperature, CHUNK)
+    _, _, z = row_log_z(base, V, temperature, units, unit, CHUNK)
     target = tl.load(targets + row)
     tl.store(log_probs + row, scaled(base, target, V, temperature) - z)
     tl.store(log_z + row, z)
@@ -144,18 +143,18 @@ def block_max(logits, s_row, maxes, V, temperature, CHUNK: tl.constexpr):
     tl.store(maxes + row * tl.num_programs(1) + block, tl.max(scaled(logits + row * s_row, at, V, temperature), axis=0))
 
 @triton.jit
-def block_mass(logits, s_row, maxes, masses, V, temperature, CHUNK: tl.constexpr, BLOCKS: tl.constexpr):
+def block_mass(logits, s_row, maxes, masses, V, temperature, units, CHUNK: tl.constexpr, BLOCKS: tl.constexpr):
     """The second pass: the row's max (of the block maxes, exact), then the block's fixed-point mass."""
     row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
     blocks = tl.num_programs(1)
     b = tl.arange(0, BLOCKS)
     m = tl.max(tl.load(maxes + row * blocks + b, mask=b < blocks, other=float("-inf")), axis=0)
     at = block * CHUNK + tl.arange(0, CHUNK)
-    q = (tl.exp(scaled(logits + row * s_row, at, V, temperature) - m) * FRACTION).to(tl.int64)
+    q = (tl.exp(scaled(logits + row * s_row, at, V, temperature) - m) * units).to(tl.int64)
     tl.store(masses + row * blocks + block, tl.sum(q, axis=0))
 
 @triton.jit
-def draw(logits, s_row, maxes, masses, uniforms, tokens, log_probs, V, temperature, blocks,
+def draw(logits, s_row, maxes, masses, uniforms, tokens, log_probs, V, temperature, units, unit, blocks,
          CHUNK: tl.constexpr, BLOCKS: tl.constexpr):
     """The last step, one program per row: the row's mass (the blocks' integer masses added), the block whose
     cumulative mass first exceeds uniform * mass, then the token within it; its log-prob as `token_log_probs`
@@ -166,13 +165,13 @@ def draw(logits, s_row, maxes, masses, uniforms, tokens, log_probs, V, temperatu
     m = tl.max(tl.load(maxes + row * blocks + b, mask=b < blocks, other=float("-inf")), axis=0)
     per_block = tl.load(masses + row * blocks + b, mask=b < blocks, other=0)
     mass = tl.sum(per_block, axis=0)
-    z = m + tl.log(mass.to(tl.float32) * INVERSE)
+    z = m + tl.log(mass.to(tl.float32) * unit)
     target = (tl.load(uniforms + row) * mass.to(tl.float64)).to(tl.int64)  # in [0, mass)
     ends = tl.cumsum(per_block, axis=0)
     block = tl.minimum(tl.sum((ends <= target).to(tl.int32), axis=0), blocks - 1)  # first block ending past it
     below = tl.sum(tl.where(b < block, per_block, 0), axis=0)
     at = block * CHUNK + tl.arange(0, CHUNK)
-    cdf = below + tl.cumsum((tl.exp(scaled(base, at, V, temperature) - m) * FRACTION).to(tl.int64), axis=0)
+    cdf = below + tl.cumsum((tl.exp(scaled(base, at, V, temperature) - m) * units).to(tl.int64), axis=0)
     token = block * CHUNK + tl.sum((cdf <= target).to(tl.int64), axis=0)
     token = tl.minimum(token, V - 1)
     tl.store(tokens + row, token)
