@@ -7,8 +7,8 @@ only attention and its cache:
     owns a slot; its token at position p is cached at column p of its slot.
   - prefill: the prompts of a batch packed into one row of tokens (no padding), attention per
     prompt (miles.utils.varlen: torch's `varlen_attn` on a GPU in bf16, one causal SDPA per prompt on the CPU),
-    their keys and values written to their slots in one indexed copy per layer (in `_pre_attention`). A prompt that comes
-    again in the call (a GRPO group) is computed once and its slot copied; on the CPU a prefix the
+    their keys and values written to their slots in one indexed copy per layer (in `_pre_attention`).
+    A prompt that comes again in the call (a GRPO group) is computed once and its slot copied; on the CPU a prefix the
     prompts share (a chat template's system prompt) is computed once too, the rest attending to it;
   - decode: one token for each of slots [0, b), attending to columns [0, Lb) of its slot under a
     (b, Lb) mask of the positions it has. The g query heads that share a KV head attend as g
