@@ -140,7 +140,8 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, tiles: 
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
     t = tiles or tiles_for(k, a.dtype)
-    k_split = -(-(-(-k // t.splits)) // t.block_k) * t.block_k  # a slice of K, whole K blocks
+    per_split = -(-k // t.splits)  # K / splits, rounded up
+    k_split = -(-per_split // t.block_k) * t.block_k  # ... to whole K blocks
     splits = -(-k // k_split)
     into = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=a.device)
     kernels = _kernels()

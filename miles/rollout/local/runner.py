@@ -18,9 +18,8 @@ only attention and its cache:
 Each layer runs as two functions of tensors, `_pre_attention` (norm, one fused q/k/v projection,
 RoPE, the keys and values written into the cache) and `_post_attention` (output projection,
 residual, norm, one fused gate/up projection, activation, down projection, residual), computing what
-the HF modules compute. The
-fused projections are single tensors whose row blocks *are* the modules' parameters (views), so
-a weight update copied into the parameters is in them. With `compile=True` the two functions
+the HF modules compute. The fused projections are single tensors whose row blocks *are* the modules'
+parameters (views), so a weight update copied into the parameters is in them. With `compile=True` the two functions
 go through torch.compile (one trace for every layer and batch), so the elementwise work between
 the matmuls runs as a few fused kernels. On the CPU in fp32 (not compiled) the projections and the LM
 head run on copies of their weights packed once for oneDNN (`_Packed`), packed again when a weight
