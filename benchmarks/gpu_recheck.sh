@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One device call that re-checks, on the GPU, what a session could change only on the CPU (the batch-invariant
+# kernels, the engine's compiled decode), in stages that each stop at their own time limit and write
+# $OUT/<stage>.out as they go, so a cut call keeps what ran. Run from the repo root with .whl/ carried:
+#   bash benchmarks/gpu_recheck.sh [STAGE ...]     # default: tests sampler decode true_on_policy
+# All four stages need more than one call's 10 minutes: run `tests sampler decode`, then `true_on_policy tiles`.
+# Stages:
+#   tests           tests/test_invariant.py and the GPU tests of the fast engine and true on-policy (~1.5 min)
+#   sampler         benchmarks/sampler_compiled.py: eager, compiled and batch-invariant draws, 128 x 151,936
+#   decode          benchmarks/engine_decode.py, batch 128 and 512, compiled, against HF generate (~3 min)
+#   true_on_policy  benchmarks/determinism_parts.py off, true_on_policy, true_on_policy_unchecked (~3.5 min)
+#   tiles           benchmarks/invariant_tiles.py (~1 min)
+set -uo pipefail
+start=$SECONDS
+out=${OUT:-/tmp}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(tests sampler decode true_on_policy)
+
+stage() {  # NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name ($((SECONDS - start)) s in)"
+  timeout -k 10 "$limit" "$@" 2>&1 | grep --line-buffered -v "Writing model shards" | tee "$out/$name.out" | tail -25
+  echo "== $name rc=${PIPESTATUS[0]}"
+}
+
+for s in "${stages[@]}"; do
+  case $s in
+    tests) stage tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_invariant.py tests/test_gpu.py \
+             -k "invariant or cuda_graph or fast_path or fast_bf16 or bf16_run or true_on or under_the_mode" ;;
+    sampler) stage sampler 90 python3 benchmarks/sampler_compiled.py --batch 128 --draws 5 ;;
+    decode) stage decode 240 python3 benchmarks/engine_decode.py --batch 128 512 --repeats 3 \
+              --rows fast-compiled,hf-generate ;;
+    true_on_policy) stage true_on_policy 300 python3 benchmarks/determinism_parts.py --qwen-shape /tmp/q --steps 4 \
+                      --repeats 1 --configs off,true_on_policy,true_on_policy_unchecked --rollout-batch-size 8 \
+                      --n-samples-per-prompt 8 --rollout-max-response-len 256 --micro-batch-size 8 \
+                      --profile "$out/profiles" ;;
+    tiles) stage tiles 90 python3 benchmarks/invariant_tiles.py --repeats 5 --calls 20 ;;
+    *) echo "unknown stage $s" ;;
+  esac
+done
+echo "$((SECONDS - start)) s in all"
