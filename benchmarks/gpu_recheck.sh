@@ -3,13 +3,15 @@
 # kernels, the engine's compiled decode), in stages that each stop at their own time limit and write
 # $OUT/<stage>.out as they go, so a cut call keeps what ran. Run from the repo root with .whl/ carried:
 #   bash benchmarks/gpu_recheck.sh [STAGE ...]     # default: tests sampler decode true_on_policy
-# All four stages need more than one call's 10 minutes: run `tests sampler decode`, then `true_on_policy tiles`.
+# All four stages need more than one call's 10 minutes: run `tests sampler decode`, then `true_on_policy tiles
+# attention`.
 # Stages:
 #   tests           tests/test_invariant.py and the GPU tests of the fast engine and true on-policy (~1.5 min)
 #   sampler         benchmarks/sampler_compiled.py: eager, compiled and batch-invariant draws, 128 x 151,936
 #   decode          benchmarks/engine_decode.py, batch 128 and 512, compiled, against HF generate (~3 min)
 #   true_on_policy  benchmarks/determinism_parts.py off, true_on_policy, true_on_policy_unchecked (~3.5 min)
 #   tiles           benchmarks/invariant_tiles.py (~1 min)
+#   attention       benchmarks/decode_attention.py: the decode's SDPA against a Triton GQA kernel (~30 s)
 set -uo pipefail
 start=$SECONDS
 out=${OUT:-/tmp}
@@ -38,6 +40,7 @@ for s in "${stages[@]}"; do
                       --n-samples-per-prompt 8 --rollout-max-response-len 256 --micro-batch-size 8 \
                       --profile "$out/profiles" ;;
     tiles) stage tiles 90 python3 benchmarks/invariant_tiles.py --repeats 5 --calls 20 ;;
+    attention) stage attention 60 python3 benchmarks/decode_attention.py --batch 32 128 512 ;;
     *) echo "unknown stage $s" ;;
   esac
 done
