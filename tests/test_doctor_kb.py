@@ -162,15 +162,15 @@ def evaluation():
 
 
 def test_leave_one_out_accuracy_and_false_alarms_hold(evaluation):
-    """The README's numbers, each case matched against the base without it, must not fall: top-1 64% and
-    top-3 70% (the issue's target, 80% top-1, is not met), false alarms 6.3% on 126 distractors (target <= 5%,
-    not met since 26 near-miss ones joined the 100: it was 5%, top-1 67%, on those alone)."""
+    """The README's numbers, each case matched against the base without it, must not fall: top-1 64% (223/349)
+    and top-3 70% (the issue's target, 80% top-1, is not met), false alarms 4.8% (6/126) on 126 distractors, 26 of
+    them near misses (target <= 5%; it was 6.3% before the known-failure check read documents as pasted)."""
     outcomes, alarms = evaluation
     top1 = sum(o.top1 for o in outcomes) / len(outcomes)
     top3 = sum(o.top3 for o in outcomes) / len(outcomes)
     false = sum(bool(o.named) for o in alarms) / len(alarms)
-    assert top1 >= 0.63 and top3 >= 0.69, f"leave-one-out top-1 {top1:.0%}, top-3 {top3:.0%}"
-    assert false <= 0.065, f"false alarms on distractors {false:.1%}"
+    assert top1 >= 0.635 and top3 >= 0.695, f"leave-one-out top-1 {top1:.1%}, top-3 {top3:.1%}"
+    assert false <= 0.05, f"false alarms on distractors {false:.1%}"
 
 
 def test_every_planted_fault_of_the_fixtures_is_named_first():
