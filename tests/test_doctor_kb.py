@@ -161,6 +161,19 @@ def evaluation():
         return leave_one_out(cases(), base, Path(t)), leave_one_out(distractors(), base, Path(t))
 
 
+def test_the_known_failure_check_reads_a_known_report_as_the_doctor_reads_it_pasted(tmp_path):
+    """The check is trained on each case and distractor in the form a pasted file gives the matcher (lines
+    reordered: errors first; facts added), built in memory by `as_pasted`."""
+    from miles.debug.doctor.readers import collect
+    from miles.debug.doctor.retrieval import as_pasted, query_lines, query_of
+
+    for case in [*cases()[:3], *distractors()[:2]]:
+        path = tmp_path / "report.md"
+        path.write_text(case.text)
+        text = "\n".join(t for _, t in query_lines(collect([str(path)]))[0])
+        assert as_pasted(case.text) == query_of(text, read_facts(text)) != case.text
+
+
 def test_leave_one_out_accuracy_and_false_alarms_hold(evaluation):
     """The README's numbers, each case matched against the base without it, must not fall: top-1 64% (223/349)
     and top-3 70% (the issue's target, 80% top-1, is not met), false alarms 4.8% (6/126) on 126 distractors, 26 of
