@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmark scripts: the issue's model shape, `miles train` in process, its metrics."""
+"""Helpers shared by the benchmark scripts: the issue's model shape, `miles train` in process, its metrics, GPU time."""
 
 from __future__ import annotations
 
@@ -25,3 +25,24 @@ def steady(rows: list[dict], key: str) -> float:
     """Mean of KEY over steps 2.. (step 1 carries one-off warm-up), or over all if there is one."""
     values = [r[key] for r in (rows[1:] if len(rows) > 1 else rows) if key in r]
     return statistics.fmean(values) if values else float("nan")
+
+
+def gpu_times(fn, repeats: int = 5, calls: int = 20) -> list[float]:
+    """Seconds a call of FN on the GPU alone: REPEATS replays of a CUDA graph holding CALLS calls (no launch time)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000 / calls)
+    return times

@@ -21,6 +21,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from common import gpu_times
+
+from miles.utils.invariant_kernels import softmax_block
 
 HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64
 KEYS = 64
@@ -50,15 +53,7 @@ def _decode_attention(q, keys, values, positions, out, s_qb, s_qh, s_ks, s_kh, s
         else:
             scores = tl.dot(query, tl.trans(k)) * scale
         scores = tl.where(seen[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        total = total * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, total, acc = softmax_block(m, total, acc, scores, v, IEEE)
     tl.store(out + slot * s_ob + (head * group + r)[:, None] * s_oh + d[None, :],
              (acc / total[:, None]).to(out.dtype.element_ty), mask=rows[:, None])
 
@@ -86,24 +81,6 @@ def sdpa_decode(q, keys, values, positions, scale, width):
     return out.reshape(b, HEADS, HEAD_DIM)
 
 
-def graph_time(fn, repeats: int = 5, calls: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -124,8 +101,8 @@ def main() -> None:
         got = triton_decode(q, keys, values, positions, scale)
         line = f"batch {b:4}, width {width}: largest difference from SDPA {(got.float() - want.float()).abs().max():.2e}"
         if args.device == "cuda":
-            sdpa = graph_time(lambda: sdpa_decode(q, keys, values, positions, scale, width))
-            ours = graph_time(lambda: triton_decode(q, keys, values, positions, scale))
+            sdpa = statistics.median(gpu_times(lambda: sdpa_decode(q, keys, values, positions, scale, width))) * 1e6
+            ours = statistics.median(gpu_times(lambda: triton_decode(q, keys, values, positions, scale))) * 1e6
             line += f"; SDPA {sdpa:6.1f} us, Triton {ours:6.1f} us ({ours / sdpa:.2f}x)"
         print(line, flush=True)
 

@@ -19,6 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import gpu_times  # noqa: E402
+
 from miles.utils import invariant  # noqa: E402
 from miles.utils.invariant import Tiles  # noqa: E402
 
@@ -55,25 +57,6 @@ def shapes(decode: int, trainer: int):
     yield "bwd dW of q/o", HIDDEN, trainer, HIDDEN
 
 
-def gpu_time(fn, repeats: int, calls: int) -> list[float]:
-    """Seconds a call, each of REPEATS replays of a CUDA graph holding CALLS calls."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000 / calls)
-    return times
-
-
 def invariant_rows(tiles: Tiles, g) -> bool:
     """Rows alone equal rows in a batch, and a column block alone equals it in a wider matmul, bitwise."""
     a = torch.randn(3072, HIDDEN, generator=g, device="cuda", dtype=torch.bfloat16)
@@ -105,13 +88,13 @@ def main() -> None:
     for label, m, k, n in shapes(args.decode_rows, args.trainer_rows):
         a = torch.randn(m, k, generator=g, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, generator=g, device="cuda", dtype=torch.bfloat16)
-        base = statistics.median(gpu_time(lambda: torch.mm(a, w.t()), args.repeats, args.calls)) * 1e6
+        base = statistics.median(gpu_times(lambda: torch.mm(a, w.t()), args.repeats, args.calls)) * 1e6
         cells = []
         for name in names:
-            t = statistics.median(gpu_time(lambda: invariant._matmul(a, w.t(), None, CANDIDATES[name]),
+            t = statistics.median(gpu_times(lambda: invariant._matmul(a, w.t(), None, CANDIDATES[name]),
                                            args.repeats, args.calls)) * 1e6
             cells.append(f"{t:8.1f} ({t / base:4.2f}x)")
-        now = statistics.median(gpu_time(lambda: invariant.mm(a, w.t()), args.repeats, args.calls)) * 1e6
+        now = statistics.median(gpu_times(lambda: invariant.mm(a, w.t()), args.repeats, args.calls)) * 1e6
         chosen[label] = (base, now)
         print(f"{f'{label} ({m}x{k}x{n})':34}{base:9.1f}" + "".join(f"{c:>20}" for c in cells), flush=True)
     print("\ntiles_for as it stands:")

@@ -53,6 +53,20 @@ def row_mean(x, out, N, BLOCK: tl.constexpr):
     tl.store(out + row, (tl.sum(values, axis=0) / N).to(out.dtype.element_ty))
 
 @triton.jit
+def softmax_block(m, total, acc, scores, values, IEEE: tl.constexpr):
+    """One block of keys into an online softmax: the rows' running max, sum and output after `scores` (rows x keys,
+    -inf where a row does not see a key) and the keys' `values`."""
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    total = total * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, values, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
+    return m_new, total, acc
+
+@triton.jit
 def attention(q, k, v, o, tile_first, tile_count, tile_position, tile_base, s_qn, s_qh, s_key, s_head, s_on,
               s_oh, scale, group, D, ROUND: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_D: tl.constexpr, KEYS: tl.constexpr):
@@ -87,15 +101,7 @@ def attention(q, k, v, o, tile_first, tile_count, tile_position, tile_base, s_qn
         scores = tl.where(n[None, :] <= position[:, None], scores, float("-inf"))
         # A block a row sees nothing of leaves it exactly as it was (alpha 1, p 0): a row's result
         # depends only on the blocks up to its own position, as the decode's lone query sees them.
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        total = total * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, values, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
-        m = m_new
+        m, total, acc = softmax_block(m, total, acc, scores, values, IEEE)
     tl.store(o + (first + r)[:, None] * s_on + h * s_oh + d[None, :], (acc / total[:, None]).to(o.dtype.element_ty),
              mask=rows)
 
