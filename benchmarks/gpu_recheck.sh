@@ -32,8 +32,8 @@ for s in "${stages[@]}"; do
   case $s in
     tests) stage tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_invariant.py tests/test_gpu.py \
              -k "invariant or cuda_graph or fast_path or fast_bf16 or bf16_run or true_on or under_the_mode" ;;
-    sampler) stage sampler 90 python3 benchmarks/sampler_compiled.py --batch 128 --draws 5 ;;
-    decode) stage decode 240 python3 benchmarks/engine_decode.py --batch 128 512 --repeats 3 \
+    sampler) stage sampler 60 python3 benchmarks/sampler_compiled.py --batch 128 --draws 5 ;;
+    decode) stage decode 300 python3 benchmarks/engine_decode.py --batch 128 512 --repeats 3 \
               --rows fast-compiled,hf-generate ;;
     true_on_policy) stage true_on_policy 300 python3 benchmarks/determinism_parts.py --qwen-shape /tmp/q --steps 4 \
                       --repeats 1 --configs off,true_on_policy,true_on_policy_unchecked --rollout-batch-size 8 \
