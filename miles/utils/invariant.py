@@ -119,7 +119,8 @@ def tiles_for(k: int, dtype: torch.dtype) -> Tiles:
     spread over 7 of the H200's 132 SMs: 33 us against cuBLAS's 7; 8 us in four slices of 64 x 64 tiles (the
     trainer's 3072 rows: 59 -> 93 us; a decode step has 24 such matmuls, 256 steps a rollout). The rest run 128 x 128
     tiles, which the trainer's matmuls, the LM head and the weight gradients (K = a micro-batch's tokens) need
-    (`benchmarks/invariant_tiles.py`; BENCHMARKS.md)."""
+    (`benchmarks/invariant_tiles.py`; BENCHMARKS.md). Sliced, a matmul holds its four fp32 partials (16 bytes an
+    output element) until they are added: the LM head's weight gradient at a large model's shape takes gigabytes."""
     if dtype == torch.float32:
         return Tiles(128, 128, 32, 8, 3)
     if 4096 <= k <= 16384:

@@ -36,11 +36,12 @@ def matmul(a, b, bias, c, M, N, K, K_SPLIT, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, 
 @triton.jit
 def split_sum(partials, bias, c, M, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """C = the SPLITS fp32 partials (SPLITS, M, N) added in split order (+ bias, in fp32), rounded once."""
+    size = (tl.zeros((), tl.int64) + M) * N  # a partial's elements, in int64: SPLITS of them pass 2^31 first
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = i < M * N
+    inside = i < size
     acc = tl.load(partials + i, mask=inside, other=0.0)
     for s in tl.static_range(1, SPLITS):
-        acc += tl.load(partials + s * M * N + i, mask=inside, other=0.0)
+        acc += tl.load(partials + s * size + i, mask=inside, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias + i % N, mask=inside, other=0.0).to(tl.float32)
     tl.store(c + i, acc.to(c.dtype.element_ty), mask=inside)
