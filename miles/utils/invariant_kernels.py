@@ -120,6 +120,25 @@ def scaled(base, at, V, temperature):
 
 
 @triton.jit
+def fixed_masses(base, at, V, temperature, m, units):
+    """exp(x - m) of the logits at `at`, x = logit / temperature, in whole units (int64, rounded down)."""
+    return (tl.exp(scaled(base, at, V, temperature) - m) * units).to(tl.int64)
+
+
+@triton.jit
+def log_sum_exp(m, mass, unit):
+    """A row's log-sum-exp from its max and its fixed-point mass: the one expression both sides compute it by."""
+    return m + tl.log(mass.to(tl.float32) * unit)
+
+
+@triton.jit
+def row_max_of_blocks(maxes, row, blocks, BLOCKS: tl.constexpr):
+    """A row's max from its blocks' maxes (exact, in any order)."""
+    b = tl.arange(0, BLOCKS)
+    return tl.max(tl.load(maxes + row * blocks + b, mask=b < blocks, other=float("-inf")), axis=0)
+
+
+@triton.jit
 def row_log_z(base, V, temperature, units, unit, CHUNK: tl.constexpr):
     """(max, mass, log-sum-exp) of one row's V logits / temperature: max exact, mass the fixed-point sum of
     exp(x - max) (int64, in units: `units` = 1 / `unit` of them make 1), log-sum-exp = max + log(mass * unit)."""
@@ -129,8 +148,8 @@ def row_log_z(base, V, temperature, units, unit, CHUNK: tl.constexpr):
         m = tl.maximum(m, tl.max(scaled(base, c0 + offs, V, temperature), axis=0))
     mass = tl.zeros((), tl.int64)
     for c0 in range(0, V, CHUNK):
-        mass += tl.sum((tl.exp(scaled(base, c0 + offs, V, temperature) - m) * units).to(tl.int64), axis=0)
-    return m, mass, m + tl.log(mass.to(tl.float32) * unit)
+        mass += tl.sum(fixed_masses(base, c0 + offs, V, temperature, m, units), axis=0)
+    return m, mass, log_sum_exp(m, mass, unit)
 
 @triton.jit
 def token_log_probs(x, s_row, targets, log_probs, log_z, V, temperature, units, unit, CHUNK: tl.constexpr):
@@ -154,11 +173,10 @@ def block_mass(logits, s_row, maxes, masses, V, temperature, units, CHUNK: tl.co
     """The second pass: the row's max (of the block maxes, exact), then the block's fixed-point mass."""
     row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
     blocks = tl.num_programs(1)
-    b = tl.arange(0, BLOCKS)
-    m = tl.max(tl.load(maxes + row * blocks + b, mask=b < blocks, other=float("-inf")), axis=0)
+    m = row_max_of_blocks(maxes, row, blocks, BLOCKS)
     at = block * CHUNK + tl.arange(0, CHUNK)
-    q = (tl.exp(scaled(logits + row * s_row, at, V, temperature) - m) * units).to(tl.int64)
-    tl.store(masses + row * blocks + block, tl.sum(q, axis=0))
+    tl.store(masses + row * blocks + block, tl.sum(fixed_masses(logits + row * s_row, at, V, temperature, m, units),
+                                                   axis=0))
 
 @triton.jit
 def draw(logits, s_row, maxes, masses, uniforms, tokens, log_probs, V, temperature, units, unit, blocks,
@@ -168,17 +186,17 @@ def draw(logits, s_row, maxes, masses, uniforms, tokens, log_probs, V, temperatu
     computes it. All sums are integers, so a token's interval does not depend on how the row was cut."""
     row = tl.program_id(0).to(tl.int64)
     base = logits + row * s_row
+    m = row_max_of_blocks(maxes, row, blocks, BLOCKS)
     b = tl.arange(0, BLOCKS)
-    m = tl.max(tl.load(maxes + row * blocks + b, mask=b < blocks, other=float("-inf")), axis=0)
     per_block = tl.load(masses + row * blocks + b, mask=b < blocks, other=0)
     mass = tl.sum(per_block, axis=0)
-    z = m + tl.log(mass.to(tl.float32) * unit)
+    z = log_sum_exp(m, mass, unit)
     target = (tl.load(uniforms + row) * mass.to(tl.float64)).to(tl.int64)  # in [0, mass)
     ends = tl.cumsum(per_block, axis=0)
     block = tl.minimum(tl.sum((ends <= target).to(tl.int32), axis=0), blocks - 1)  # first block ending past it
     below = tl.sum(tl.where(b < block, per_block, 0), axis=0)
     at = block * CHUNK + tl.arange(0, CHUNK)
-    cdf = below + tl.cumsum((tl.exp(scaled(base, at, V, temperature) - m) * units).to(tl.int64), axis=0)
+    cdf = below + tl.cumsum(fixed_masses(base, at, V, temperature, m, units), axis=0)
     token = block * CHUNK + tl.sum((cdf <= target).to(tl.int64), axis=0)
     token = tl.minimum(token, V - 1)
     tl.store(tokens + row, token)
