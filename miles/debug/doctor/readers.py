@@ -267,8 +267,7 @@ def _read_file(path: Path, corpus: Corpus) -> None:
         first_tail = head.count(b"\n") + skipped_newlines + 2
         numbers = list(range(1, head_lines + 1)) + list(range(first_tail, first_tail + tail_text.count("\n") + 1))
         text += "\n" + tail_text
-    log = LogFile(path, text, numbers)
-    log.kind = _kind(path, log.lines)
+    log = text_log(path, text, numbers)
     corpus.logs.append(log)
     if log.kind == "miles-train" and path.parent not in corpus.locks:
         corpus.locks[path.parent] = read_lock(path.parent / LOCK_NAME)
@@ -277,6 +276,13 @@ def _read_file(path: Path, corpus: Corpus) -> None:
     source = _text_metrics(log)
     if source.series:
         corpus.metrics.append(source)
+
+
+def text_log(path: Path, text: str, numbers: list[int] | None = None) -> LogFile:
+    """A text file's log: its lines and what wrote it (a miles run, a Ray worker, SGLang, NCCL, other)."""
+    log = LogFile(path, text, numbers)
+    log.kind = _kind(path, log.lines)
+    return log
 
 
 def _decode(data: bytes) -> str:

@@ -278,10 +278,9 @@ def as_pasted(text: str) -> str:
     from pathlib import Path
 
     from miles.debug.doctor.facts import read_facts
-    from miles.debug.doctor.readers import Corpus, LogFile, _decode, _kind
+    from miles.debug.doctor.readers import Corpus, _decode, text_log
 
-    log = LogFile(Path("report.md"), _decode(text.encode()))
-    log.kind = _kind(log.path, log.lines)
+    log = text_log(Path("report.md"), _decode(text.encode()))
     lines = "\n".join(t for _, t in query_lines(Corpus(logs=[log]))[0])
     return query_of(lines, read_facts(lines))
 
