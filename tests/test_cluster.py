@@ -241,7 +241,7 @@ def stand_in_ranks():
 
     import ray
 
-    from miles.cluster.supervisor import Worker
+    from miles.cluster.supervisor import SUPERVISION, Worker
     from miles.testing.workers import FailOrHang
 
     records: list[str] = []
@@ -250,7 +250,7 @@ def stand_in_ranks():
     logging.getLogger("miles").addHandler(handler)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        actor = ray.remote(max_concurrency=2)(FailOrHang)
+        actor = ray.remote(max_concurrency=2, concurrency_groups=SUPERVISION)(FailOrHang)
         yield ray, [Worker(f"trainer rank {i}", actor.remote(), {"node_ip": "10.0.0.1", "host": "h", "pid": i})
                     for i in range(2)], records
     finally:
@@ -299,18 +299,44 @@ def test_supervisor_bounds_a_worker_stuck_after_its_peers_returned(stand_in_rank
     assert stuck and "time.sleep(0.1)" in stuck[0], records
 
 
+@pytest.mark.timeout(90)
+def test_the_heartbeat_names_a_stopped_worker_in_an_uneven_call(stand_in_ranks):
+    """A call with no bound on how long one worker runs after another (rank 0 writes a checkpoint
+    alone), and a worker stopped inside it after its peer returned (CI once hung here for good):
+    its unanswered pings name it stuck within about `stall` seconds."""
+    from miles.cluster.supervisor import Supervisor
+    from miles.errors import WorkerCrashed
+
+    ray, workers, records = stand_in_ranks
+    supervisor = Supervisor(ray, grace=2.0, stall=3.0)
+    pid = ray.get(workers[1].actor.pid.remote())
+    refs = [workers[0].actor.call.remote("finish"), workers[1].actor.call.remote("slow")]
+    time.sleep(1)
+    os.kill(pid, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        with pytest.raises(WorkerCrashed) as e:
+            supervisor.wait(workers, refs, what="save", uneven=True)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert time.monotonic() - start < 20
+    assert str(e.value).startswith("WorkerCrashed: trainer rank 1 did not finish save: no answer to a ping in 3 s")
+    assert [m for m in records if "trainer rank 1 had not finished save with no answer to a ping" in m], records
+
+
 def test_a_frozen_rank_is_a_timeout_not_a_freeze(tiny_args, tmp_path):
     """SIGSTOP one rank mid-run: within --distributed-timeout-minutes the run stops with an error
-    naming the stuck rank, exit 1, nothing left behind. Where the stop lands decides who notices:
-    inside a collective, rank 0's collective times out (rank 0 failed, rank 1 stuck); in a call
-    with no collective (the RNG state gathered for a checkpoint), rank 1 is stuck past its peers."""
+    naming the stuck rank, exit 1, nothing left behind. Where the stop lands decides who notices
+    first: inside a collective, rank 0's collective times out (rank 0 failed, rank 1 stuck); in a
+    call with no collective (the RNG state gathered for a checkpoint), rank 1 is stuck past its
+    peers; anywhere, rank 1 leaves the supervisor's pings unanswered."""
     run = tmp_path / "run"
     result, seconds, _ = signal_rank_1_mid_run(tiny_args + ["--distributed-timeout-minutes", "0.1"], run,
                                                signal.SIGSTOP)
     assert seconds < 120 and result.returncode == 1
     text = (run / "train.log").read_text()
     assert ("WorkerCrashed: trainer rank 0" in text and "Timed out" in text) or \
-        "WorkerCrashed: trainer rank 1 did not finish" in text
+        "WorkerCrashed: trainer rank 1 did not finish" in text  # past its peers, or no answer to a ping
     assert "trainer rank 1 had not finished" in text and "(stuck; stacks in the log): trainer rank 1" in text
 
 

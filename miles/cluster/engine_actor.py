@@ -54,5 +54,8 @@ class EngineActor:
             self.fleet.stop()
             self.fleet = None
 
+    def ping(self) -> bool:
+        return True
+
     def stacks(self) -> str:
         return python_stacks()

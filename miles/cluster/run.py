@@ -14,7 +14,7 @@ from pathlib import Path
 
 from miles.cluster.placement import Placement, engine_bundles, in_bundle, reserve, trainer_bundles
 from miles.cluster.ray_cluster import ray_session
-from miles.cluster.supervisor import Supervisor, Worker, crashed
+from miles.cluster.supervisor import SUPERVISION, Supervisor, Worker, crashed
 from miles.cluster.trainer_group import TrainerGroup
 from miles.config import Configs
 from miles.errors import WorkerCrashed
@@ -84,7 +84,7 @@ class ClusterRun:
             pg = reserve(self.ray, engine_bundles(p), what="engines", flags=flags, timeout=PLACE_TIMEOUT_S)
         share = 1 - p.trainer_share if p.colocate else float(p.gpus_per_engine)
         resources = {"num_gpus": share, "num_cpus": share if p.colocate else 1} if p.use_gpus else {"num_cpus": share}
-        actor = self.ray.remote(max_restarts=0)(EngineActor)
+        actor = self.ray.remote(concurrency_groups=SUPERVISION, max_restarts=0)(EngineActor)
         for i in range(p.engines):
             log = str(self.log_dir / f"engine_{i}.log")
             handle = actor.options(**resources, **in_bundle(pg, i)).remote(i, log)

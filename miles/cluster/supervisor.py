@@ -9,7 +9,10 @@ the first ERROR line of its own log (or Ray's account of how its process died).
 A worker can also stall where no collective would time out for it (a stopped process, in a call
 its peers have returned from): with `stall` set, a worker still running `stall` seconds after the
 first of its peers returned is stuck too, and the call raises `WorkerCrashed` naming it. Calls
-whose work is uneven by design (rank 0 alone writes a checkpoint) pass `uneven=True`.
+whose work is uneven by design (rank 0 alone writes a checkpoint) pass `uneven=True`, which lifts
+that bound; the heartbeat still holds there: every worker in a call is pinged in its actor's
+"supervision" concurrency group (beside the call's thread), and one that leaves a ping unanswered
+for `stall` seconds (its process stopped, or stuck outside Python) is stuck, whatever the call.
 """
 
 from __future__ import annotations
@@ -19,12 +22,16 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from miles.errors import WorkerCrashed
 
 logger = logging.getLogger("miles")
+
+# What a supervised actor is created with: its `ping` and `stacks` run in this group, on their own
+# threads, so they answer while a call (in the default group) is busy or stuck.
+SUPERVISION = {"supervision": 2}
 
 
 @dataclass
@@ -51,6 +58,7 @@ class Supervisor:
         failed_at = returned_at = None
         first_failure: tuple[Worker, BaseException] | None = None
         stall = None if uneven else self.stall
+        heartbeat = Heartbeat(ray, self.stall) if self.stall is not None else None
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
             for ref in ready:
@@ -71,6 +79,14 @@ class Supervisor:
                 self._log_stuck(stuck, what, f"{stall:.0f} s after its peers returned")
                 names = ", ".join(w.name for w in stuck)
                 raise WorkerCrashed(f"WorkerCrashed: {names} did not finish {what} within {stall:.0f} s of its peers "
+                                    f"(--distributed-timeout-minutes); still running (stuck; stacks in the log): "
+                                    f"{names}")
+            silent = heartbeat.silent(list(pending.values())) if heartbeat and failed_at is None else []
+            if silent:
+                self._log_stuck(silent, what, f"with no answer to a ping in {self.stall:.0f} s")
+                names = ", ".join(w.name for w in silent)
+                raise WorkerCrashed(f"WorkerCrashed: {names} did not finish {what}: no answer to a ping in "
+                                    f"{self.stall:.0f} s, its process stopped or stuck outside Python "
                                     f"(--distributed-timeout-minutes); still running (stuck; stacks in the log): "
                                     f"{names}")
         if first_failure is not None:
@@ -94,11 +110,41 @@ class Supervisor:
     def _log_stuck(self, stuck: list[Worker], what: str, when: str) -> None:
         for worker in stuck:
             try:
-                stack = self.ray.get(worker.actor.stacks.remote(), timeout=10)
+                stack = self.ray.get(worker.actor.stacks.options(concurrency_group="supervision").remote(),
+                                     timeout=10)
             except Exception as e:
                 stack = (f"(no stack: no answer in 10 s ({type(e).__name__}): its process is stopped, or stuck "
                          f"outside Python)")
             logger.error("%s had not finished %s %s; its stacks:\n%s", worker.name, what, when, stack.rstrip())
+
+
+@dataclass
+class Heartbeat:
+    """Pings the workers still in a call, one ping outstanding each, a new one `every` seconds; a
+    worker whose ping is unanswered `bound` seconds after it was sent is silent."""
+    ray: object
+    bound: float
+    sent: dict = field(default_factory=dict)  # worker name -> (its outstanding ping, when it was sent)
+    answered: dict = field(default_factory=dict)  # worker name -> when its last ping was answered
+
+    @property
+    def every(self) -> float:
+        return min(self.bound / 4, 5.0)
+
+    def silent(self, workers: list[Worker]) -> list[Worker]:
+        now, silent = time.monotonic(), []
+        for worker in workers:
+            if worker.name in self.sent:
+                ping, at = self.sent[worker.name]
+                if self.ray.wait([ping], timeout=0)[0]:  # answered (a dead actor's failed ping too: its call fails)
+                    del self.sent[worker.name]
+                    self.answered[worker.name] = now
+                elif now - at > self.bound:
+                    silent.append(worker)
+            elif now - self.answered.get(worker.name, float("-inf")) >= self.every:
+                ping = worker.actor.ping.options(concurrency_group="supervision").remote()
+                self.sent[worker.name] = (ping, now)
+        return silent
 
 
 def crashed(worker: Worker, error: BaseException, what: str) -> WorkerCrashed:

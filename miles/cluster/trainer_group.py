@@ -19,7 +19,7 @@ from pathlib import Path
 from miles.bridge.transports import WeightTransport
 from miles.bridge.weight_sync import SyncStats
 from miles.cluster.placement import Placement, in_bundle
-from miles.cluster.supervisor import Supervisor, Worker
+from miles.cluster.supervisor import SUPERVISION, Supervisor, Worker
 
 logger = logging.getLogger("miles")
 
@@ -32,7 +32,7 @@ class TrainerGroup:
         self.ray, self.placement, self.supervisor, self.pg = ray, placement, supervisor, pg
         share = placement.trainer_share
         resources = {"num_gpus": share, "num_cpus": share} if placement.use_gpus else {"num_cpus": share}
-        actor = ray.remote(max_concurrency=2, max_restarts=0)(TrainerWorker)
+        actor = ray.remote(max_concurrency=2, concurrency_groups=SUPERVISION, max_restarts=0)(TrainerWorker)
         self.workers: list[Worker] = []
         for rank in range(placement.world_size):
             log = str(log_dir / f"trainer_rank_{rank}.log")

@@ -1,9 +1,9 @@
 """One trainer rank: a Ray actor holding a `Trainer` over an FSDP2-sharded model.
 
 Every method the driver calls is called on all ranks at once (collectives inside); rank 0's
-return value is the group's. The actor runs two threads: one for that work, one so that
-`stacks()` still answers while the first is stuck (a hang is reported with the stuck rank's
-stack). The rank logs to OUTPUT_DIR/workers/trainer_rank_R.log and to stderr, which Ray forwards
+return value is the group's. `ping()` and `stacks()` run on threads of their own (the
+"supervision" concurrency group), so they answer while a call is busy or stuck: the supervisor's
+heartbeat, and a hang reported with the stuck rank's stack. The rank logs to OUTPUT_DIR/workers/trainer_rank_R.log and to stderr, which Ray forwards
 to the driver's console.
 """
 
@@ -137,6 +137,9 @@ class TrainerWorker:
             dist.destroy_process_group()
 
     # -- what the supervisor asks while a call may be stuck ---------------------------------------
+
+    def ping(self) -> bool:
+        return True
 
     def stacks(self) -> str:
         return python_stacks()

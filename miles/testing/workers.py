@@ -20,6 +20,14 @@ class FailOrHang:
         while True:
             time.sleep(0.1)
 
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def ping(self) -> bool:
+        return True
+
     def stacks(self) -> str:
         from miles.cluster.supervisor import python_stacks
 
