@@ -18,6 +18,12 @@ prefix the prompts share, the chat template's system prompt, it still serves: th
   vllm-eager    a vLLM server (`--enforce-eager`, fp32, its default thread binding) through
                 --rollout-backend vllm's client (one request per sample);
   vllm-compiled the same server in vLLM's default compiled mode (torch.compile, needs gcc).
+Each local row's process runs in a session of its own, as a `miles train` started from its own
+terminal does and as miles' launcher starts a vLLM server (`start_new_session`): where the kernel
+schedules by session (autogroup, /proc/sys/kernel/sched_autogroup_enabled = 1), the engine's
+processes then get the same share against the load's for both engines. (Until 2026-12-05 the local
+child shared the load's session and the server did not, so the load took its share from miles alone:
+on this CPU the loaded local row then made 0.65-0.9x of what it makes in a session of its own.)
 Each row is measured quiet and then with `--load N` busy processes (`python -c 'while True:
 pass'`) started for it and killed after. A local row's process starts after the load has run
 `--settle` seconds, so the 1-minute load average it reads has seen the load; a vLLM server
@@ -127,7 +133,7 @@ def run_child(kind: str, args: argparse.Namespace, loaded: bool) -> tuple[list[f
         command.append("--loaded")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False, start_new_session=True)
     if done.returncode != 0:
         raise SystemExit(f"{kind} child failed ({done.returncode}): {done.stderr[-2000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -225,10 +231,16 @@ def main() -> None:
     report(rows, engines, conditions, args)
 
 
+def autogroup() -> str:
+    path = Path("/proc/sys/kernel/sched_autogroup_enabled")
+    state = path.read_text().strip() if path.is_file() else "absent"
+    return f"sched_autogroup_enabled {state} (every engine in a session of its own)"
+
+
 def report(rows: dict, engines: list[str], conditions, args: argparse.Namespace) -> None:
     print(f"\n{args.prompts} samples ({args.samples_per_prompt} a prompt) x {args.new_tokens} new tokens, demo model "
           f"fp32, temperature 1; "
-          f"{os.cpu_count()} CPUs; loaded = {args.load} busy processes")
+          f"{os.cpu_count()} CPUs; loaded = {args.load} busy processes; {autogroup()}")
     refs = [k for k in ("vllm-eager", "vllm-compiled") if k in engines]
     head = "".join(f" {'vs ' + LABELS[r]:>17}" for r in refs)
     print(f"{'engine':<24} {'condition':<9} {'median tok/s':>12} {'min':>7} {'max':>7} {'runs':>4} {'loadavg':>7}"

@@ -224,6 +224,20 @@ def test_decode_limits_stop_each_row_at_its_budget(tiny_model):
     assert full[0].token_ids[: len(outs[0].token_ids)] == outs[0].token_ids
 
 
+def test_without_graphs_a_decode_step_runs_at_its_live_rows_count(tiny_model):
+    """On the CPU (no CUDA graphs to replay) a step computes only the rows still decoding: as rows
+    finish, the batch shrinks one by one, not to the next bucket up (5 live rows ran as 8)."""
+    engine, tok = make_engine(tiny_model)
+    steps = []
+    decode = engine.runner.decode
+    engine.runner.decode = lambda batch, *a: steps.append(batch) or decode(batch, *a)
+    prompts = [tok(t)["input_ids"] for t in ("hello", "abc", "one two", "x", "seven")]
+    u = torch.rand(5, 9, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    outs = engine.decode(prompts, sp(9, 1.0, 1.0), u, limits=[2, 3, 5, 9, 9])
+    made = [len(o.token_ids) for o in outs]
+    assert steps == [sum(m > j for m in made) for j in range(1, max(made))], (steps, made)
+
+
 def test_sampling_at_a_large_vocabulary_follows_the_reported_distribution():
     """At Qwen's 151,936 tokens with a long tail: the distribution the inverse CDF samples (each
     token's CDF interval) equals exp(reported log-probs) to ~1e-12 in total variation, and every

@@ -5,7 +5,8 @@ slots. Requests wait in order; each free slot takes the next one, which is prefi
 the other newcomers) and draws its first token at once. Every decode step feeds each occupied slot
 its last token; a slot whose row finished (EOS or its budget) is freed at the next check and
 taken by a waiting request. The live rows are kept in the lowest slots (rows of high slots move
-down into freed ones), so a step runs at the smallest batch bucket covering them.
+down into freed ones), so a step runs at the smallest batch bucket covering them (with CUDA
+graphs; without, at their count).
 
 All per-slot state lives on the device, and a step queues without waiting for it; the host looks
 at it only every `check_every` steps (one sync each: 16 on a GPU, 1 on a CPU). A row finished

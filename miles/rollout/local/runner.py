@@ -313,7 +313,9 @@ class ModelRunner:
         if old is not None:
             for new_t, old_t in zip(self.cache.keys + self.cache.values, old.keys + old.values):
                 new_t[: old.slots, :, : old.length] = old_t
-        self.buckets = [b for b in batch_buckets(slots) if b < slots] + [slots]
+        # A bucket pays off as a captured graph; without graphs a step runs at its live rows' count.
+        self.buckets = ([b for b in batch_buckets(slots) if b < slots] + [slots] if self.cuda_graphs
+                        else list(range(1, slots + 1)))
         positions = torch.arange(length, device=self.device)[None]
         probe = torch.zeros((), dtype=self.dtype, device=self.device)
         cos, sin = self.inner.rotary_emb(probe, positions)  # (1, L, D): the model's own RoPE
