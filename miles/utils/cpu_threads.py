@@ -14,7 +14,9 @@ tok/s quiet, ~20 loaded, where vLLM, one thread bound to one core, kept ~140). S
 - `setup_cpu_threads(override)`, once torch is loaded: one thread per core this process may use
   (its affinity mask), whatever the load; `--cpu-threads` or OMP_NUM_THREADS win. With passive
   waiting, fewer threads than cores did not help a loaded machine: the demo rollout with 2 busy
-  processes on 2 cores made 28.6 tok/s on 1 thread, 36.0 on 2 (benchmarks/cpu_engines.py). It
+  processes on 2 cores made 28.6 tok/s on 1 thread, 36.0 on 2 (benchmarks/cpu_engines.py, the load in
+  miles' own session; in a session of its own, where the kernel shares the CPU by session, 1 thread
+  and 2 made about the same loaded and 2 are faster quiet: BENCHMARKS.md, 2026-12-05). It
   logs one line with the load for the record: `CPU threads: 2 of 2 cores (load 1.9), OMP_WAIT_POLICY=PASSIVE`.
 """
 
