@@ -3,6 +3,11 @@
 # kernels, the engine's compiled decode), in stages that each stop at their own time limit and write
 # $OUT/<stage>.out as they go, so a cut call keeps what ran. Run from the repo root with .whl/ carried:
 #   bash benchmarks/gpu_recheck.sh [STAGE ...]     # default: tests sampler decode true_on_policy
+# .whl/ (ignored by git) holds what the device's image lacks, for its Python 3.12; build it here with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl \
+#     math-verify latex2sympy2-extended antlr4-python3-runtime==4.13.2 bm25s fastapi starlette pydantic \
+#     pydantic-core typing-inspection annotated-types uvicorn
+# (the versions of this venv's: `pip list`; pydantic and pydantic-core must be a matching pair).
 # All four stages need more than one call's 10 minutes: run `tests sampler decode`, then `true_on_policy tiles
 # attention`.
 # Stages:
