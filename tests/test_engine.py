@@ -226,7 +226,7 @@ def test_decode_limits_stop_each_row_at_its_budget(tiny_model):
 
 def test_without_graphs_a_decode_step_runs_at_its_live_rows_count(tiny_model):
     """On the CPU (no CUDA graphs to replay) a step computes only the rows still decoding: as rows
-    finish, the batch shrinks one by one, not to the next bucket up (5 live rows ran as 8)."""
+    finish, the batch shrinks one by one, not to the next bucket up (with buckets 3 live rows ran as 4)."""
     engine, tok = make_engine(tiny_model)
     steps = []
     decode = engine.runner.decode

@@ -137,7 +137,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                         "they release memory while it trains")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0, metavar="M",
                    help="a collective (gradient reduce, weight gather) waiting longer, or a worker leaving the "
-                        "driver's ping unanswered this long, is an error naming the stuck rank; NCCL_TIMEOUT (seconds) in the environment overrides it (default: 10)")
+                        "driver's ping unanswered this long, is an error naming the stuck rank; NCCL_TIMEOUT (seconds) in the "
+                        "environment overrides it (default: 10)")
     g.add_argument("--async", dest="async_rollout", action="store_true",
                    help="one step ahead: rollout k+1 is generated while training on rollout k (samples are one "
                         "weight version stale; --use-tis corrects for it)")

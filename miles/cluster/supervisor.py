@@ -75,20 +75,13 @@ class Supervisor:
                 break
             if failed_at is None and stall is not None and returned_at is not None and pending \
                     and now - returned_at > stall:
-                stuck = list(pending.values())
-                self._log_stuck(stuck, what, f"{stall:.0f} s after its peers returned")
-                names = ", ".join(w.name for w in stuck)
-                raise WorkerCrashed(f"WorkerCrashed: {names} did not finish {what} within {stall:.0f} s of its peers "
-                                    f"(--distributed-timeout-minutes); still running (stuck; stacks in the log): "
-                                    f"{names}")
+                raise self._stuck(list(pending.values()), what, f"{stall:.0f} s after its peers returned",
+                                  f" within {stall:.0f} s of its peers")
             silent = heartbeat.silent(list(pending.values())) if heartbeat and failed_at is None else []
             if silent:
-                self._log_stuck(silent, what, f"with no answer to a ping in {self.stall:.0f} s")
-                names = ", ".join(w.name for w in silent)
-                raise WorkerCrashed(f"WorkerCrashed: {names} did not finish {what}: no answer to a ping in "
-                                    f"{self.stall:.0f} s, its process stopped or stuck outside Python "
-                                    f"(--distributed-timeout-minutes); still running (stuck; stacks in the log): "
-                                    f"{names}")
+                raise self._stuck(silent, what, f"with no answer to a ping in {self.stall:.0f} s",
+                                  f": no answer to a ping in {self.stall:.0f} s, its process stopped or stuck "
+                                  f"outside Python")
         if first_failure is not None:
             error = crashed(first_failure[0], first_failure[1], what)
             if pending:
@@ -106,6 +99,13 @@ class Supervisor:
             pass
         for w in workers:
             self.ray.kill(w.actor, no_restart=True)
+
+    def _stuck(self, stuck: list[Worker], what: str, when: str, why: str) -> WorkerCrashed:
+        """Logs the stuck workers' stacks; returns the error naming them (`why` right after "did not finish WHAT")."""
+        self._log_stuck(stuck, what, when)
+        names = ", ".join(w.name for w in stuck)
+        return WorkerCrashed(f"WorkerCrashed: {names} did not finish {what}{why} (--distributed-timeout-minutes); "
+                             f"still running (stuck; stacks in the log): {names}")
 
     def _log_stuck(self, stuck: list[Worker], what: str, when: str) -> None:
         for worker in stuck:

@@ -3,8 +3,8 @@
 Every method the driver calls is called on all ranks at once (collectives inside); rank 0's
 return value is the group's. `ping()` and `stacks()` run on threads of their own (the
 "supervision" concurrency group), so they answer while a call is busy or stuck: the supervisor's
-heartbeat, and a hang reported with the stuck rank's stack. The rank logs to OUTPUT_DIR/workers/trainer_rank_R.log and to stderr, which Ray forwards
-to the driver's console.
+heartbeat, and a hang reported with the stuck rank's stack. The rank logs to
+OUTPUT_DIR/workers/trainer_rank_R.log and to stderr, which Ray forwards to the driver's console.
 """
 
 from __future__ import annotations
