@@ -9,6 +9,8 @@ off (every row makes every token), temperature 1. Rows, each timed --repeats tim
 warm-up at the same batch (which captures the CUDA graphs):
   miles fast          LocalEngine.generate, the default path (CUDA graphs on a GPU)
   miles fast eager    the same path without CUDA graphs
+  miles fast compiled the same path with --enable-torch-compile (`-sdpa` after a row: its decode attention in SDPA
+                      instead of the Triton kernel of miles.rollout.local.decode_attention, the GPU's default)
   miles hf            LocalEngine's HF-forward path (the reference decode loop)
   HF generate         model.generate(do_sample=True), dynamic cache
   HF static compiled  model.generate(cache_implementation="static"), which transformers compiles (--compiled)
@@ -28,6 +30,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from miles.config import SamplingParams
 from miles.rollout.local import LocalEngine
+from miles.rollout.local.runner import ModelRunner
 
 SHAPES = {
     "qwen2.5-0.5b": lambda: Qwen2Config(**QWEN_0_5B),
@@ -80,7 +83,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rows", default="fast,fast-eager,hf-generate",
-                   help="fast,fast-eager,fast-compiled,miles-hf,hf-generate")
+                   help="fast,fast-eager,fast-compiled,miles-hf,hf-generate; fast* rows also with -sdpa")
     p.add_argument("--profile", type=int, default=0, metavar="B",
                    help="profile one fast-eager generate at batch B first: top CUDA kernels")
     p.add_argument("--profile-compiled", action="store_true",
@@ -119,8 +122,9 @@ def main() -> None:
         bound = batch * bandwidth / (weights + batch * mean_len * kv_per_token)
         for row in rows:
             try:
-                if row in engines:
-                    engine = LocalEngine(model, eos_token_ids=[], pad_token_id=0, **engines[row])
+                if row.removesuffix("-sdpa") in engines:
+                    ModelRunner.triton_decode = not row.endswith("-sdpa")  # read at every decode step
+                    engine = LocalEngine(model, eos_token_ids=[], pad_token_id=0, **engines[row.removesuffix("-sdpa")])
                     fn = lambda: sum(len(o.token_ids) for o in engine.generate(prompts.tolist(), sampling, seeds))  # noqa: E731
                 else:
                     kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.new_tokens,

@@ -8,17 +8,18 @@
 #     math-verify latex2sympy2-extended antlr4-python3-runtime==4.13.2 bm25s fastapi starlette pydantic \
 #     pydantic-core typing-inspection annotated-types uvicorn
 # (the versions of this venv's: `pip list`; pydantic and pydantic-core must be a matching pair).
-# All four stages need more than one call's 10 minutes: run `tests sampler decode`, then `true_on_policy tiles
-# attention`.
+# A call runs up to 10 minutes: run `tests sampler decode` in one, `true_on_policy tiles attention` in the next.
 # Stages:
 #   tests           tests/test_invariant.py and the GPU tests of the fast engine and true on-policy (~1.5 min)
 #   sampler         benchmarks/sampler_compiled.py: eager, compiled and batch-invariant draws, 128 x 151,936
-#   decode          benchmarks/engine_decode.py, batch 128 and 512, compiled, against HF generate (~3 min)
-#   true_on_policy  benchmarks/determinism_parts.py off, true_on_policy, true_on_policy_unchecked (~2 min each at 4
-#                   steps; TOP_CONFIGS, TOP_STEPS, TOP_REPEATS and TOP_LIMIT (s, default 300) change them;
-#                   TOP_PROFILE=1 profiles the first round's step 3, left out of its mean)
+#   decode          benchmarks/engine_decode.py, batch 128 and 512, compiled (decode attention in the Triton kernel
+#                   and in SDPA), against HF generate (~4 min)
+#   true_on_policy  benchmarks/determinism_parts.py off, true_on_policy, true_on_policy_unchecked (~40 s a
+#                   configuration at 4 steps, ~4 min for 2 rounds; TOP_CONFIGS, TOP_STEPS, TOP_REPEATS and
+#                   TOP_LIMIT (s, default 300) change them; TOP_PROFILE=1 profiles the first round's step 3, left out
+#                   of its mean)
 #   tiles           benchmarks/invariant_tiles.py (~1 min)
-#   attention       benchmarks/decode_attention.py: the decode's SDPA against a Triton GQA kernel (~30 s)
+#   attention       benchmarks/decode_attention.py: the decode attention's Triton kernel against SDPA (~30 s)
 set -uo pipefail
 start=$SECONDS
 out=${OUT:-/tmp}
@@ -38,11 +39,13 @@ stage() {  # NAME LIMIT_S COMMAND...
 for s in "${stages[@]}"; do
   case $s in
     tests) stage tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_invariant.py tests/test_gpu.py \
-             -k "invariant or cuda_graph or fast_path or fast_bf16 or bf16_run or true_on or under_the_mode" ;;
+             tests/test_engine.py -k "invariant or cuda_graph or fast_path or fast_bf16 or bf16_run or true_on or \
+             under_the_mode or decode_attention_kernel" ;;
     sampler) stage sampler 60 python3 benchmarks/sampler_compiled.py --batch 128 --draws 5 ;;
     decode) stage decode 300 python3 benchmarks/engine_decode.py --batch 128 512 --repeats 3 \
-              --rows fast-compiled,hf-generate ;;
-    true_on_policy) stage true_on_policy "${TOP_LIMIT:-300}" python3 benchmarks/determinism_parts.py --qwen-shape /tmp/q \
+              --rows fast-compiled,fast-compiled-sdpa,hf-generate ;;
+    true_on_policy) stage true_on_policy "${TOP_LIMIT:-300}" python3 benchmarks/determinism_parts.py \
+                      --qwen-shape /tmp/q \
                       --steps "${TOP_STEPS:-4}" --repeats "${TOP_REPEATS:-1}" \
                       --configs "${TOP_CONFIGS:-off,true_on_policy,true_on_policy_unchecked}" --rollout-batch-size 8 \
                       --n-samples-per-prompt 8 --rollout-max-response-len 256 --micro-batch-size 8 \

@@ -1,5 +1,6 @@
 """The embedded engine: sampling, stopping, and log-probs that match the trainer's."""
 
+import importlib.util
 import math
 
 import pytest
@@ -236,6 +237,26 @@ def test_without_graphs_a_decode_step_runs_at_its_live_rows_count(tiny_model):
     outs = engine.decode(prompts, sp(9, 1.0, 1.0), u, limits=[2, 3, 5, 9, 9])
     made = [len(o.token_ids) for o in outs]
     assert steps == [sum(m > j for m in made) for j in range(1, max(made))], (steps, made)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_the_gpus_decode_attention_kernel_attends_to_each_slot_up_to_its_position():
+    """The fast engine's decode attention on a GPU (miles.rollout.local.decode_attention; here in Triton's interpreter
+    where there is no GPU): each slot's query heads attend to its own cached columns [0, position], as SDPA over
+    that slot alone does; a group of 3 query heads a KV head (a tile of 16 rows), positions at block edges."""
+    from miles.rollout.local.decode_attention import decode_attention
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    kv_heads, group, dim, length = 2, 3, 16, 200
+    keys, values = (torch.randn(7, kv_heads, length, dim, generator=g).to(device) for _ in range(2))  # 7 slots
+    q = torch.randn(5, kv_heads * group, dim, generator=g).to(device)  # slots 0..4 decode
+    positions = torch.tensor([0, 63, 64, 130, 199], device=device)
+    got = decode_attention(q, keys, values, positions, 0.25)
+    for j, p in enumerate(positions.tolist()):
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[j].view(kv_heads, group, dim), keys[j, :, :p + 1], values[j, :, :p + 1], scale=0.25)
+        torch.testing.assert_close(got[j], want.reshape(-1, dim), rtol=1e-4, atol=1e-5)
 
 
 def test_sampling_at_a_large_vocabulary_follows_the_reported_distribution():

@@ -10,10 +10,11 @@ only attention and its cache:
     their keys and values written to their slots in one indexed copy per layer (in `_pre_attention`).
     A prompt that comes again in the call (a GRPO group) is computed once and its slot copied; on the CPU a prefix the
     prompts share (a chat template's system prompt) is computed once too, the rest attending to it;
-  - decode: one token for each of slots [0, b), attending to columns [0, Lb) of its slot under a
-    (b, Lb) mask of the positions it has. The g query heads that share a KV head attend as g
-    queries of one head, so GQA reads each cached key once. On a GPU each (b, Lb) bucket's step
-    is captured once in a CUDA graph and replayed; its logits land in one shared buffer.
+  - decode: one token for each of slots [0, b), attending to columns [0, position] of its slot. On a GPU a
+    Triton kernel (decode_attention.py) reads each slot's keys up to its position, once for the g query heads
+    that share a KV head; elsewhere SDPA attends to columns [0, Lb) under a (b, Lb) mask of the positions,
+    the g query heads as g queries of one head (GQA reads each cached key once). On a GPU each (b, Lb)
+    bucket's step is captured once in a CUDA graph and replayed; its logits land in one shared buffer.
 
 Each layer runs as two functions of tensors, `_pre_attention` (norm, one fused q/k/v projection,
 RoPE, the keys and values written into the cache) and `_post_attention` (output projection,
@@ -48,6 +49,13 @@ LENGTH_STEP = 128  # slot columns attended in multiples of this (a CUDA graph pe
 EAGER_LENGTH_STEP = 16  # the same without graphs (the CPU): attention reads little beyond the longest row
 PACK_ROWS_HINT = 32  # the rows oneDNN lays packed weights out for (any count runs): a CPU decode batch
 SHARED_PREFIX_MIN = 16  # the CPU prefill computes a prefix this long, common to a call's prompts, once
+
+
+def _decode_kernel():
+    """miles.rollout.local.decode_attention (imported, and Triton with it, only where it runs)."""
+    from miles.rollout.local import decode_attention
+
+    return decode_attention
 
 
 def unsupported_reason(model) -> str | None:
@@ -255,6 +263,8 @@ class _LayerWeights:
 
 
 class ModelRunner:
+    triton_decode = True  # decode attention on a GPU in decode_attention's kernel; False: SDPA (benchmarks compare)
+
     def __init__(self, model, *, cuda_graphs: bool = True, compile: bool = False):
         self.model = model
         self.inner = model.model
@@ -496,11 +506,24 @@ class ModelRunner:
             if invariant.enabled() and q.is_cuda:  # --true-on-policy-mode: what the trainer's attention computes
                 attended = invariant.slot_attention(q, keys, values, positions, self.scaling)
             else:
-                grouped = q.to(self.dtype).view(batch, self.kv_heads, self.group, self.head_dim)  # (b, H, g, D)
-                attended = F.scaled_dot_product_attention(grouped, keys[:batch, :, :width],
-                                                          values[:batch, :, :width], attn_mask=mask, scale=self.scaling)
+                attended = self._decode_attention(q.to(self.dtype), keys, values, positions, mask, width)
             x = self._finish_layer(i, x, attended)
         return self._lm_head(x, out)
+
+    def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                          mask: torch.Tensor, width: int) -> torch.Tensor:
+        """Decode attention of slots [0, b)'s queries q (b, Q * D): on a GPU decode_attention's Triton kernel, which
+        reads each slot only up to its position; else SDPA over the width bucket under the (b, 1, 1, Lb) mask, the
+        g query heads of a KV head as g queries of one head."""
+        batch = q.shape[0]
+        if self.triton_decode and q.is_cuda:
+            kernel = _decode_kernel()
+            heads = q.view(batch, self.q_heads, self.head_dim)
+            if kernel.supported(heads, keys):
+                return kernel.decode_attention(heads, keys, values, positions, self.scaling)
+        grouped = q.view(batch, self.kv_heads, self.group, self.head_dim)  # (b, H, g, D)
+        return F.scaled_dot_product_attention(grouped, keys[:batch, :, :width], values[:batch, :, :width],
+                                              attn_mask=mask, scale=self.scaling)
 
     def _casts(self) -> list[_Cast]:
         """The weights' cast copies made so far (none outside autocast)."""
