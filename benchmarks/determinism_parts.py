@@ -24,8 +24,8 @@ NaN fill of uninitialised memory, which the mode used to leave on); `mode` (--de
 4 MiB cuBLAS workspaces, and torch parsing the variable at every GEMM); `mode_before` (the mode as it was: fill on); `strict` (torch.use_deterministic_algorithms(True)
 without warn_only, which makes flash / memory-efficient SDPA backwards deterministic, so no math
 kernel; float cumsum on CUDA raises under it); `hashes` (--deterministic-mode --debug-determinism); `true_on_policy` (--true-on-policy-mode);
-`true_on_policy_unchecked` (the same without the scoring pass that checks each rollout: the run stops if the
-engine's log-probs are not the trainer's bit for bit).
+`true_on_policy_stop` (the same with --true-on-policy-check stop: no scoring pass of each rollout; the run stops if
+the engine's log-probs are not the trainer's bit for bit).
 """
 
 from __future__ import annotations
@@ -63,25 +63,10 @@ def _workspace_4mib() -> str:
     return "CUBLAS_WORKSPACE_CONFIG=:4096:8 at launch (4 MiB cuBLAS workspaces)"
 
 
-def _no_verifier() -> str:
-    """--true-on-policy-mode without the scoring pass of each rollout: the engine reports its own log-probs, and the
-    loop's check stops the run at a step where they are not the trainer's bit for bit."""
-    from miles.rollout.local.engine import LocalEngine
-
-    init = LocalEngine.__init__
-
-    def without(self, *args, **kwargs):
-        init(self, *args, **{**kwargs, "verifier": None})
-
-    LocalEngine.__init__ = without
-    return "true on-policy without the check's scoring pass"
-
-
 def part(name: str):
     from miles.debug.determinism import PARTS
 
-    extra = {"fill_memory": _fill_memory, "strict": _strict, "workspace_4mib": _workspace_4mib,
-             "no_verifier": _no_verifier}
+    extra = {"fill_memory": _fill_memory, "strict": _strict, "workspace_4mib": _workspace_4mib}
     return extra[name] if name in extra else next(p.enable for p in PARTS if p.name == name)
 
 
@@ -99,7 +84,7 @@ CONFIGS = {
     "strict": (["cublas_workspace", "strict", "cudnn"], []),
     "hashes": ([], ["--deterministic-mode", "--debug-determinism"]),
     "true_on_policy": ([], ["--true-on-policy-mode"]),
-    "true_on_policy_unchecked": (["no_verifier"], ["--true-on-policy-mode"]),
+    "true_on_policy_stop": ([], ["--true-on-policy-mode", "--true-on-policy-check", "stop"]),
 }
 
 

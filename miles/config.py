@@ -166,6 +166,8 @@ class DebugConfig:
     """Write hashes.jsonl."""
     true_on_policy_mode: bool
     """The engine samples from the trainer's own computation."""
+    true_on_policy_check: str = "rescore"
+    """rescore (each rollout scored by the trainer's computation) | stop (no such pass; a step that differs stops)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -280,7 +282,7 @@ def build_configs(args: argparse.Namespace) -> Configs:
             debug_rollout_print_every=a.debug_rollout_print_every, alignment_check=a.alignment_check,
             check_weight_update_equal=a.check_weight_update_equal, debug_weight_sync=a.debug_weight_sync,
             deterministic_mode=a.deterministic_mode, debug_determinism=a.debug_determinism,
-            true_on_policy_mode=a.true_on_policy_mode),
+            true_on_policy_mode=a.true_on_policy_mode, true_on_policy_check=a.true_on_policy_check),
         cluster=ClusterConfig(
             actor_num_nodes=a.actor_num_nodes, actor_num_gpus_per_node=a.actor_num_gpus_per_node,
             rollout_num_gpus=a.rollout_num_gpus, rollout_num_gpus_per_engine=a.rollout_num_gpus_per_engine,

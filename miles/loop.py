@@ -473,9 +473,17 @@ def build_engine(path, tokenizer, cfg: Configs, *, weight_version: int, closers:
         dtype = torch.bfloat16 if model_cfg.precision == "bf16" else torch.float32
         model = load_causal_lm(path, dtype=dtype, **load)
         return LocalEngine(model, eos_token_ids=eos_token_ids(model, tokenizer), **common)
+    if cfg.debug.true_on_policy_check == "stop" and model_cfg.device != "cuda":
+        raise UsageError("--true-on-policy-check stop needs a GPU's batch-invariant kernels (--device cuda): on "
+                         "the CPU the engine's decode and the trainer's forward differ in their last bits, so the "
+                         "run would stop at step 1; use --true-on-policy-check rescore")
     model = load_causal_lm(path, dtype=torch.float32, **load)
     # Its decode steps replay the autocast's casts in CUDA graphs, so it casts without a cache.
     engine_autocast = functools.partial(mixed_precision, model_cfg.precision, model_cfg.device, cache=False)
+    if cfg.debug.true_on_policy_check == "stop":
+        logger.info("--true-on-policy-mode, --true-on-policy-check stop: the engine reports its own log-probs, no "
+                    "scoring pass; a step where they are not the trainer's bit for bit stops the run")
+        return LocalEngine(model, eos_token_ids=eos_token_ids(model, tokenizer), autocast=engine_autocast, **common)
     autocast = functools.partial(mixed_precision, model_cfg.precision, model_cfg.device)
     score = functools.partial(score_sequences, micro_batch_size=cfg.train.micro_batch_size,
                               temperature=cfg.rollout.sampling.temperature, pad_token_id=tokenizer.pad_token_id,

@@ -256,21 +256,19 @@ def test_bf16_true_on_policy_run_redraws_nothing(tiny_args):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_bf16_engine_log_probs_are_the_trainers_without_the_check(tiny_args, monkeypatch):
-    """Without the check's scoring pass the engine reports the log-probs of its own draw; the loop stops a run
-    where they are not the trainer's bit for bit. With the kernels doing their job, no step stops."""
+def test_bf16_engine_log_probs_are_the_trainers_without_the_check(tiny_args):
+    """--true-on-policy-check stop: no scoring pass, the engine reports the log-probs of its own draw; the loop stops
+    a run where they are not the trainer's bit for bit. With the kernels doing their job, no step stops."""
     from test_train import metrics, run
 
-    from miles.rollout.local.engine import LocalEngine
-
-    init = LocalEngine.__init__
-    monkeypatch.setattr(LocalEngine, "__init__", lambda self, *a, **kw: init(self, *a, **{**kw, "verifier": None}))
     try:
-        rows = metrics(run(tiny_args, "--true-on-policy-mode", "--device", "cuda", "--precision", "bf16",
-                           "--num-rollout", "3", "--rollout-max-response-len", "48", "--rollout-temperature", "0.8"))
+        rows = metrics(run(tiny_args, "--true-on-policy-mode", "--true-on-policy-check", "stop", "--device", "cuda",
+                           "--precision", "bf16", "--num-rollout", "3", "--rollout-max-response-len", "48",
+                           "--rollout-temperature", "0.8"))
     finally:
         invariant.disable()
     assert len(rows) == 3
+    assert not any("rollout/true_on_policy_redrawn" in r for r in rows)  # no rollout went through the scoring pass
     assert all(r["forward_logp_max_diff"] == 0.0 for r in rows)
 
 

@@ -85,12 +85,20 @@ def test_a_disagreeing_token_is_redrawn_and_decoding_resumes(tiny_model, monkeyp
     (["--rollout-top-p", "0.9"], "--rollout-top-p 1"),
     (["--enable-torch-compile"], "--enable-torch-compile runs the engine's layers through Inductor"),
     (["--actor-num-gpus-per-node", "1"], "the trainer runs in Ray workers"),
+    (["--true-on-policy-check", "stop"], "--true-on-policy-check stop needs a GPU's batch-invariant kernels"),
 ])
 def test_true_on_policy_usage_errors(tiny_args, flags, words, capsys):
     from miles.cli.main import main
 
     assert main(tiny_args + ["--true-on-policy-mode", *flags]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_the_stop_check_is_a_setting_of_the_mode(tiny_args, capsys):
+    from miles.cli.main import main
+
+    assert main(tiny_args + ["--true-on-policy-check", "stop"]) == 2
+    assert "--true-on-policy-check stop is how --true-on-policy-mode checks its rollouts" in capsys.readouterr().err
 
 
 def test_a_step_whose_log_probs_are_not_the_trainers_stops_the_run():

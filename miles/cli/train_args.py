@@ -225,6 +225,11 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--true-on-policy-mode", action="store_true",
                    help="the engine samples from exactly the trainer's computation: engine and trainer log-probs "
                         "equal bitwise (needs --rollout-top-p 1)")
+    g.add_argument("--true-on-policy-check", choices=("rescore", "stop"), default="rescore",
+                   help="with --true-on-policy-mode: rescore (default) scores each rollout with the trainer's "
+                        "computation and re-draws a token drawn across a rounding boundary; stop skips that pass (on "
+                        "a GPU its kernels make the engine compute the trainer's numbers) and stops the run at a "
+                        "step where the engine's log-probs are not the trainer's bit for bit")
     g.add_argument("--debug-determinism", action="store_true",
                    help="write per-step hashes (tokens, log-probs, rewards, loss, gradients, parameters) to hashes.jsonl")
 
@@ -507,6 +512,9 @@ def _check_debug_flags(args: argparse.Namespace) -> None:
     if args.true_on_policy_mode and args.load_debug_rollout_data is not None:
         raise UsageError("--true-on-policy-mode changes how the engine samples; a replay of "
                          "--load-debug-rollout-data has no engine: capture the dumps with --true-on-policy-mode")
+    if args.true_on_policy_check == "stop" and not args.true_on_policy_mode:
+        raise UsageError("--true-on-policy-check stop is how --true-on-policy-mode checks its rollouts: add "
+                         "--true-on-policy-mode, or drop --true-on-policy-check")
     if args.true_on_policy_mode and args.rollout_top_p < 1:
         raise UsageError(f"--true-on-policy-mode needs --rollout-top-p 1 (got {args.rollout_top_p}): with top-p the "
                          "engine samples from a truncated distribution, not the one both sides compute")
