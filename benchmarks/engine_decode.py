@@ -9,8 +9,10 @@ off (every row makes every token), temperature 1. Rows, each timed --repeats tim
 warm-up at the same batch (which captures the CUDA graphs):
   miles fast          LocalEngine.generate, the default path (CUDA graphs on a GPU)
   miles fast eager    the same path without CUDA graphs
-  miles fast compiled the same path with --enable-torch-compile (`-sdpa` after a row: its decode attention in SDPA
-                      instead of the Triton kernel of miles.rollout.local.decode_attention, the GPU's default)
+  miles fast compiled the same path with --enable-torch-compile
+  Suffixes of a fast* row, on a GPU: `-sdpa` runs its decode attention in SDPA instead of the Triton kernel of
+  miles.rollout.local.decode_attention, `-torchdraw` samples with the torch path instead of the device draw
+  (miles.rollout.sampling.DEVICE_DRAW); both: the engine as it was before the two (2026-12-05).
   miles hf            LocalEngine's HF-forward path (the reference decode loop)
   HF generate         model.generate(do_sample=True), dynamic cache
   HF static compiled  model.generate(cache_implementation="static"), which transformers compiles (--compiled)
@@ -30,6 +32,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from miles.config import SamplingParams
 from miles.rollout.local import LocalEngine
+from miles.rollout import sampling as sampling_module
 from miles.rollout.local.runner import ModelRunner
 
 SHAPES = {
@@ -83,7 +86,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rows", default="fast,fast-eager,hf-generate",
-                   help="fast,fast-eager,fast-compiled,miles-hf,hf-generate; fast* rows also with -sdpa")
+                   help="fast,fast-eager,fast-compiled,miles-hf,hf-generate; fast* rows also with -sdpa, -torchdraw")
     p.add_argument("--profile", type=int, default=0, metavar="B",
                    help="profile one fast-eager generate at batch B first: top CUDA kernels")
     p.add_argument("--profile-compiled", action="store_true",
@@ -122,9 +125,11 @@ def main() -> None:
         bound = batch * bandwidth / (weights + batch * mean_len * kv_per_token)
         for row in rows:
             try:
-                if row.removesuffix("-sdpa") in engines:
-                    ModelRunner.triton_decode = not row.endswith("-sdpa")  # read at every decode step
-                    engine = LocalEngine(model, eos_token_ids=[], pad_token_id=0, **engines[row.removesuffix("-sdpa")])
+                kind = row.removesuffix("-torchdraw").removesuffix("-sdpa")
+                if kind in engines:
+                    ModelRunner.triton_decode = "-sdpa" not in row  # both read at every decode step
+                    sampling_module.DEVICE_DRAW = "-torchdraw" not in row
+                    engine = LocalEngine(model, eos_token_ids=[], pad_token_id=0, **engines[kind])
                     fn = lambda: sum(len(o.token_ids) for o in engine.generate(prompts.tolist(), sampling, seeds))  # noqa: E731
                 else:
                     kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.new_tokens,

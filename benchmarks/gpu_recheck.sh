@@ -12,8 +12,8 @@
 # Stages:
 #   tests           tests/test_invariant.py and the GPU tests of the fast engine and true on-policy (~1.5 min)
 #   sampler         benchmarks/sampler_compiled.py: eager, compiled and batch-invariant draws, 128 x 151,936
-#   decode          benchmarks/engine_decode.py, batch 128 and 512, compiled (decode attention in the Triton kernel
-#                   and in SDPA), against HF generate (~4 min)
+#   decode          benchmarks/engine_decode.py, batch 128 and 512, compiled: as it is, with the torch sampler, and
+#                   also with SDPA decode attention (the engine before 2026-12-05); against HF generate (~5 min)
 #   true_on_policy  benchmarks/determinism_parts.py off, true_on_policy, true_on_policy_stop (~40 s a
 #                   configuration at 4 steps, ~4 min for 2 rounds; TOP_CONFIGS, TOP_STEPS, TOP_REPEATS and
 #                   TOP_LIMIT (s, default 300) change them; TOP_PROFILE=1 profiles the first round's step 3, left out
@@ -42,8 +42,8 @@ for s in "${stages[@]}"; do
              tests/test_engine.py -k "invariant or cuda_graph or fast_path or fast_bf16 or bf16_run or true_on or \
              under_the_mode or decode_attention_kernel" ;;
     sampler) stage sampler 60 python3 benchmarks/sampler_compiled.py --batch 128 --draws 5 ;;
-    decode) stage decode 300 python3 benchmarks/engine_decode.py --batch 128 512 --repeats 3 \
-              --rows fast-compiled,fast-compiled-sdpa,hf-generate ;;
+    decode) stage decode 400 python3 benchmarks/engine_decode.py --batch 128 512 --repeats 3 \
+              --rows fast-compiled,fast-compiled-torchdraw,fast-compiled-sdpa-torchdraw,hf-generate ;;
     true_on_policy) stage true_on_policy "${TOP_LIMIT:-300}" python3 benchmarks/determinism_parts.py \
                       --qwen-shape /tmp/q \
                       --steps "${TOP_STEPS:-4}" --repeats "${TOP_REPEATS:-1}" \

@@ -1,5 +1,5 @@
-"""The fast path's sampler, eager vs compiled (--enable-torch-compile), and on a GPU with Triton the
-batch-invariant draw (`miles.utils.invariant.sample`: --true-on-policy-mode), side by side in one run.
+"""The sampler's torch path, eager and compiled (--enable-torch-compile), and on a GPU with Triton the device
+draw (`miles.utils.invariant.sample`: the plain path's sampler on a GPU), side by side in one run.
 
     python benchmarks/sampler_compiled.py [--batch 128] [--vocab 151936] [--device cuda]
 
@@ -17,8 +17,11 @@ import time
 import torch
 
 from miles.config import SamplingParams
+from miles.rollout import sampling as sampling_module
 from miles.rollout.sampling import compiled_sample_tokens, sample_tokens
 from miles.utils import invariant
+
+sampling_module.DEVICE_DRAW = False  # "eager" and "compiled" are the torch path; "invariant" the device draw
 
 
 def sync(device: str) -> None:

@@ -20,12 +20,15 @@ PROMPTS = ("hello", "a much longer prompt", "x", "what is seven plus two?")
 @pytest.mark.parametrize("slots", [None, 3])
 def test_fast_path_on_cuda_matches_the_eager_reference(tiny_model, slots, monkeypatch):
     """fp32 on the GPU, CUDA graphs on (and 3 slots for 16 requests: rows wait, take freed slots
-    and move down), decode attention in the Triton kernel: the tokens of decoding each prompt alone without a
-    cache, log-probs within fp32 noise."""
+    and move down), decode attention in the Triton kernel, tokens drawn by the device draw: the tokens of decoding
+    each prompt alone without a cache, log-probs within fp32 noise."""
     from miles.rollout.local import decode_attention
+    from miles.utils import invariant
 
     kernel, calls = decode_attention.decode_attention, []
     monkeypatch.setattr(decode_attention, "decode_attention", lambda *a: calls.append(1) or kernel(*a))
+    draw, draws = invariant.sample, []
+    monkeypatch.setattr(invariant, "sample", lambda *a: draws.append(1) or draw(*a))
     tok = load_tokenizer(tiny_model)
     model = load_causal_lm(tiny_model, device="cuda", attention_backend="sdpa")
     engine = LocalEngine(model, eos_token_ids=eos_token_ids(model, tok), pad_token_id=tok.pad_token_id)
@@ -37,6 +40,7 @@ def test_fast_path_on_cuda_matches_the_eager_reference(tiny_model, slots, monkey
     got = engine.decode(prompts, sampling, u)
     assert engine.runner.cuda_graphs and engine.runner._graphs  # the steps ran as graph replays
     assert calls  # of the Triton kernel (captured in the graphs)
+    assert draws  # the sampler's device draw
     want = eager_decode(model, prompts, sampling, u, set(engine.eos_token_ids), tok.pad_token_id)
     for out, (tokens, logps) in zip(got, want):
         assert out.token_ids == tokens

@@ -146,13 +146,13 @@ def test_packed_attention_backward_is_the_attention_gradient(device):
 
 
 def test_the_draw_is_the_plain_samplers_and_a_row_draws_alone_as_in_a_batch(device):
-    from miles.rollout.sampling import _plain_sample
+    from miles.rollout.sampling import _torch_sample
 
     g = torch.Generator().manual_seed(3)
     logits = (torch.randn(16, 9000, generator=g) * 4).to(device)
     u = torch.rand(16, generator=g, dtype=torch.float64).to(device)
     tokens, log_probs = invariant.sample(logits, u, 0.7)
-    want_tokens, want_log_probs = _plain_sample(logits, u, 0.7)
+    want_tokens, want_log_probs = _torch_sample(logits, u, 0.7)
     assert (tokens == want_tokens).float().mean() >= 15 / 16  # the same inverse CDF, other summation order
     torch.testing.assert_close(log_probs, torch.log_softmax(logits / 0.7, -1).gather(-1, tokens[:, None])[:, 0])
     # Uniforms on the CDF boundaries (the float64 mass up to a token, as torch sums it): where two summation
