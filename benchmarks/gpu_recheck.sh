@@ -18,6 +18,7 @@
 #                   configuration at 4 steps, ~4 min for 2 rounds; TOP_CONFIGS, TOP_STEPS, TOP_REPEATS and
 #                   TOP_LIMIT (s, default 300) change them; TOP_PROFILE=1 profiles the first round's step 3, left out
 #                   of its mean)
+#   profile         the compiled engine's decode at batch 512 under torch's profiler (its top kernels; ~3 min)
 #   tiles           benchmarks/invariant_tiles.py (~1 min)
 #   attention       benchmarks/decode_attention.py: the decode attention's Triton kernel against SDPA (~30 s)
 set -uo pipefail
@@ -50,6 +51,8 @@ for s in "${stages[@]}"; do
                       --configs "${TOP_CONFIGS:-off,true_on_policy,true_on_policy_stop}" --rollout-batch-size 8 \
                       --n-samples-per-prompt 8 --rollout-max-response-len 256 --micro-batch-size 8 \
                       ${TOP_PROFILE:+--profile "$out/profiles"} ;;
+    profile) stage profile 240 python3 benchmarks/engine_decode.py --batch 512 --repeats 1 --rows fast-compiled \
+               --profile 512 --profile-compiled ;;
     tiles) stage tiles 90 python3 benchmarks/invariant_tiles.py --repeats 5 --calls 20 ;;
     attention) stage attention 60 python3 benchmarks/decode_attention.py --batch 32 128 512 ;;
     *) echo "unknown stage $s" ;;
