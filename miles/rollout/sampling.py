@@ -133,12 +133,7 @@ def _plain_sample(logits: torch.Tensor, uniforms: torch.Tensor, temperature: flo
 def _device_draw(logits: torch.Tensor) -> bool:
     """Whether the plain path draws with miles.utils.invariant's kernels: on a GPU under --true-on-policy-mode
     always, else where Triton is (unless DEVICE_DRAW is off)."""
-    return logits.is_cuda and (invariant.enabled() or (DEVICE_DRAW and _has_triton()))
-
-
-@functools.cache
-def _has_triton() -> bool:
-    return invariant.available()
+    return logits.is_cuda and (invariant.enabled() or (DEVICE_DRAW and invariant.available()))
 
 
 def _torch_sample(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float):

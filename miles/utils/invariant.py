@@ -32,6 +32,7 @@ are untouched). Other reductions (losses, metrics) stay torch's: one side alone 
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -44,8 +45,9 @@ CHUNK = 4096  # vocabulary entries per sampler block (a multiple of 128)
 _library = None
 
 
+@functools.cache
 def available() -> bool:
-    """Whether the kernels can run here: a CUDA device and Triton."""
+    """Whether the kernels can run here: a CUDA device and Triton (checked once: the sampler asks at every draw)."""
     if not torch.cuda.is_available():
         return False
     try:

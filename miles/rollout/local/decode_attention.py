@@ -21,11 +21,11 @@ from miles.utils.invariant_kernels import softmax_block
 KEYS = 64  # cached columns a block
 
 
-def supported(q: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether the kernel runs this shape: a power-of-two head dim of 16 or more (a tile's width), each cached
-    key contiguous, and the queries in the cache's dtype."""
-    d = q.shape[-1]
-    return d >= 16 and d & (d - 1) == 0 and keys.stride(-1) == 1 and q.dtype == keys.dtype
+def supported(keys: torch.Tensor) -> bool:
+    """Whether the kernel runs over this (S, H, L, D) cache: a power-of-two head dim of 16 or more (a tile's width),
+    each cached key contiguous. (The queries come in the cache's dtype: the runner casts them.)"""
+    d = keys.shape[-1]
+    return d >= 16 and d & (d - 1) == 0 and keys.stride(-1) == 1
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,

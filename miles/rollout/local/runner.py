@@ -51,13 +51,6 @@ PACK_ROWS_HINT = 32  # the rows oneDNN lays packed weights out for (any count ru
 SHARED_PREFIX_MIN = 16  # the CPU prefill computes a prefix this long, common to a call's prompts, once
 
 
-def _decode_kernel():
-    """miles.rollout.local.decode_attention (imported, and Triton with it, only where it runs)."""
-    from miles.rollout.local import decode_attention
-
-    return decode_attention
-
-
 def unsupported_reason(model) -> str | None:
     """Why the runner cannot run this model (None: it can)."""
     cfg = model.config
@@ -496,8 +489,9 @@ class ModelRunner:
     def _decode_step(self, batch: int, width: int, tokens: torch.Tensor, positions: torch.Tensor,
                      out: torch.Tensor | None = None) -> torch.Tensor:
         rows = torch.arange(batch, device=self.device)
-        visible = torch.arange(width, device=self.device)[None] <= positions[:, None]  # (b, Lb)
-        mask = visible[:, None, None, :]  # (b, 1, 1, Lb): shared by the g queries of each KV head
+        kernel, mask = self._decode_kernel(), None
+        if kernel is None:  # SDPA's (b, 1, 1, Lb) mask, shared by the g queries of each KV head
+            mask = (torch.arange(width, device=self.device)[None] <= positions[:, None])[:, None, None, :]
         cos, sin = self._cos[positions], self._sin[positions]
         x = self.inner.embed_tokens(tokens)  # (b, hidden)
         for i in range(self.num_layers):
@@ -506,21 +500,28 @@ class ModelRunner:
             if invariant.enabled() and q.is_cuda:  # --true-on-policy-mode: what the trainer's attention computes
                 attended = invariant.slot_attention(q, keys, values, positions, self.scaling)
             else:
-                attended = self._decode_attention(q.to(self.dtype), keys, values, positions, mask, width)
+                attended = self._decode_attention(kernel, q.to(self.dtype), keys, values, positions, mask, width)
             x = self._finish_layer(i, x, attended)
         return self._lm_head(x, out)
 
-    def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                          mask: torch.Tensor, width: int) -> torch.Tensor:
-        """Decode attention of slots [0, b)'s queries q (b, Q * D): on a GPU decode_attention's Triton kernel, which
-        reads each slot only up to its position; else SDPA over the width bucket under the (b, 1, 1, Lb) mask, the
+    def _decode_kernel(self):
+        """miles.rollout.local.decode_attention where its kernel runs this runner's cache (a GPU, unless
+        `triton_decode` is off; imported, and Triton with it, only there), else None: SDPA."""
+        if not (self.triton_decode and self.device.type == "cuda"):
+            return None
+        from miles.rollout.local import decode_attention
+
+        return decode_attention if decode_attention.supported(self.cache.keys[0]) else None
+
+    def _decode_attention(self, kernel, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          positions: torch.Tensor, mask: torch.Tensor | None, width: int) -> torch.Tensor:
+        """Decode attention of slots [0, b)'s queries q (b, Q * D): in the `_decode_kernel` KERNEL, which reads each
+        slot only up to its position; without one, SDPA over the width bucket under the (b, 1, 1, Lb) mask, the
         g query heads of a KV head as g queries of one head."""
         batch = q.shape[0]
-        if self.triton_decode and q.is_cuda:
-            kernel = _decode_kernel()
-            heads = q.view(batch, self.q_heads, self.head_dim)
-            if kernel.supported(heads, keys):
-                return kernel.decode_attention(heads, keys, values, positions, self.scaling)
+        if kernel is not None:
+            return kernel.decode_attention(q.view(batch, self.q_heads, self.head_dim), keys, values, positions,
+                                           self.scaling)
         grouped = q.view(batch, self.kv_heads, self.group, self.head_dim)  # (b, H, g, D)
         return F.scaled_dot_product_attention(grouped, keys[:batch, :, :width], values[:batch, :, :width],
                                               attn_mask=mask, scale=self.scaling)
