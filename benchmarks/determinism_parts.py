@@ -25,7 +25,8 @@ NaN fill of uninitialised memory, which the mode used to leave on); `mode` (--de
 without warn_only, which makes flash / memory-efficient SDPA backwards deterministic, so no math
 kernel; float cumsum on CUDA raises under it); `hashes` (--deterministic-mode --debug-determinism); `true_on_policy` (--true-on-policy-mode);
 `true_on_policy_stop` (the same with --true-on-policy-check stop: no scoring pass of each rollout; the run stops if
-the engine's log-probs are not the trainer's bit for bit).
+the engine's log-probs are not the trainer's bit for bit); `true_on_policy_scored` and `true_on_policy_stop_scored`
+(each with --no-use-rollout-logprobs: the trainer scores every rollout again, as the mode did before 2026-12-05).
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ CONFIGS = {
     "hashes": ([], ["--deterministic-mode", "--debug-determinism"]),
     "true_on_policy": ([], ["--true-on-policy-mode"]),
     "true_on_policy_stop": ([], ["--true-on-policy-mode", "--true-on-policy-check", "stop"]),
+    "true_on_policy_scored": ([], ["--true-on-policy-mode", "--no-use-rollout-logprobs"]),
+    "true_on_policy_stop_scored": ([], ["--true-on-policy-mode", "--true-on-policy-check", "stop",
+                                        "--no-use-rollout-logprobs"]),
 }
 
 
@@ -146,6 +150,7 @@ def one_run(name: str, steps: int, extra: list[str], out: Path, profile: Path | 
         last = (done.stderr.strip().splitlines() or ["?"])[-1]
         return {"failed": last[:160]}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "perf/step_time_s" in r]  # the steps (not a step-0 evaluation's row)
     # Steps 2.., less step 3 when it was profiled: building the profiler's tables takes seconds inside its calls.
     steady = [r for i, r in enumerate(rows) if i > 0 and not (profile is not None and i == 2)] or rows
     mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in steady)
@@ -154,6 +159,8 @@ def one_run(name: str, steps: int, extra: list[str], out: Path, profile: Path | 
     if any("rollout/true_on_policy_redrawn" in r for r in rows):  # tokens re-drawn per rollout, every step
         result["redrawn"] = [r["rollout/true_on_policy_redrawn"] for r in rows]
         result["forward_logp_max_diff"] = max(r.get("forward_logp_max_diff", 0.0) for r in rows)
+    if any(r.get("train/rollout_logprobs_used") for r in rows):  # the training forward against the engine's
+        result["recompute_logp_max_diff"] = max(r.get("train/recompute_logp_max_diff", 0.0) for r in rows)
     return result
 
 

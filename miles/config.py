@@ -96,6 +96,8 @@ class TrainConfig:
     kl_loss_type: str
     use_tis: bool
     tis_clip: float
+    use_rollout_logprobs: bool = False
+    """The ratio's old log-probs are the engine's (no trainer scoring pass, except at the step-1 alignment check)."""
     calculate_per_token_loss: bool
     """Loss summed over the global batch's response tokens and divided by their count (DAPO)."""
     qkv_format: str = "thd"
@@ -265,7 +267,8 @@ def build_configs(args: argparse.Namespace) -> Configs:
             micro_batch_size=a.micro_batch_size, lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad,
             advantage_estimator=a.advantage_estimator, eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high,
             kl_coef=a.kl_coef, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
-            use_tis=a.use_tis, tis_clip=a.tis_clip, calculate_per_token_loss=a.calculate_per_token_loss,
+            use_tis=a.use_tis, tis_clip=a.tis_clip, use_rollout_logprobs=a.use_rollout_logprobs,
+            calculate_per_token_loss=a.calculate_per_token_loss,
             qkv_format=a.qkv_format, log_probs_chunk_size=a.log_probs_chunk_size,
             gradient_checkpointing=a.gradient_checkpointing, torch_compile=a.trainer_torch_compile,
             use_rollout_routing_replay=a.use_rollout_routing_replay,

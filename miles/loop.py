@@ -142,8 +142,14 @@ def train_steps(c: Components, cfg: Configs, signals: StopSignals, metrics_out: 
             capture_rollout(cfg, rollout_id, rollout, metrics, dump_meta)
             checking = step == c.start_step + 1 and debug.alignment_check != "off"  # the step-1 alignment check
             gap = attribute_gap(c, cfg, rollout.samples) if checking and c.trainer is not None else None
-            result = train_and_sync(c, cfg, rollout.samples, step, metrics) if c.trainer is not None else None
+            # --use-rollout-logprobs skips the trainer's scoring, except where the alignment check compares the two
+            reuse = cfg.train.use_rollout_logprobs and not checking
+            result = train_and_sync(c, cfg, rollout.samples, step, metrics, reuse) if c.trainer is not None else None
             nonfinite_steps = nonfinite_steps + 1 if result and result.nonfinite else 0
+            if hashes_out is not None:
+                hashing = time.perf_counter()
+                hashes = {**rollout_hashes(rollout.samples), **(result.hashes if result else {})}
+                metrics["perf/hash_s"] = metrics.get("perf/hash_s", 0.0) + time.perf_counter() - hashing
             if isinstance(c.turns, Colocated):
                 metrics["perf/colocate_switch_s"] = c.turns.take_seconds()
             metrics["perf/step_time_s"] = time.perf_counter() - step_start
@@ -151,7 +157,7 @@ def train_steps(c: Components, cfg: Configs, signals: StopSignals, metrics_out: 
                 c.turns.for_rollout()
                 metrics.update(c.evaluator.evaluate(step))
             if hashes_out is not None:
-                hashes_out.write(step, {**rollout_hashes(rollout.samples), **(result.hashes if result else {})})
+                hashes_out.write(step, hashes)
             metrics_out.write(step, metrics)  # before the checkpoint: a kill between the two redoes the step
             log_step(step, run.num_rollout, metrics)
             c.done, c.in_step = step, False
@@ -200,9 +206,12 @@ def guard_nonfinite(c: Components, result: TrainResult | None, step: int, bad_in
 def check_true_on_policy(metrics: dict, step: int) -> None:
     """--true-on-policy-mode promises the engine's log-probs are the trainer's bit for bit; a step where they
     are not stops the run (after its metrics row is written)."""
-    gap = metrics.get("forward_logp_max_diff", 0.0)
+    if metrics.get("train/rollout_logprobs_used"):  # no scoring pass: the training forward is the trainer's side
+        gap, side = metrics.get("train/recompute_logp_max_diff", 0.0), "the trainer's training forward"
+    else:
+        gap, side = metrics.get("forward_logp_max_diff", 0.0), "the trainer's"
     if gap != 0.0:
-        message = (f"--true-on-policy-mode: at step {step} the engine's log-probs differ from the trainer's by up to "
+        message = (f"--true-on-policy-mode: at step {step} the engine's log-probs differ from {side} by up to "
                    f"{gap:.3g}; they must be equal bit for bit, so a kernel outside the mode's ran on one side: "
                    f"report it with `miles doctor RUN_DIR --bundle bug.md`")
         logger.error(message)
@@ -242,12 +251,17 @@ def capture_rollout(cfg: Configs, rollout_id: int, rollout: RolloutBatch, metric
         log_rollout_samples(rollout_id, rollout.samples)
 
 
-def train_and_sync(c: Components, cfg: Configs, samples: list[Sample], step: int, metrics: dict) -> TrainResult:
-    """One rollout's optimizer steps, then the weights to the engine (if this run has one)."""
+def train_and_sync(c: Components, cfg: Configs, samples: list[Sample], step: int, metrics: dict,
+                   rollout_log_probs: bool = False) -> TrainResult:
+    """One rollout's optimizer steps (on the engine's log-probs as the old ones with `rollout_log_probs`), then the
+    weights to the engine (if this run has one)."""
     c.turns.for_training()
     start = time.perf_counter()
-    result = c.trainer.train(samples)
+    result = c.trainer.train(samples, rollout_log_probs=rollout_log_probs)
     metrics.update(result.metrics)
+    if rollout_log_probs and not result.metrics.get("train/rollout_logprobs_used"):
+        logger.warning("--use-rollout-logprobs: rollout %d has samples without engine log-probs (a custom "
+                       "generate function?), so the trainer scored it", step - 1)
     metrics["perf/train_tok_s"] = sum(len(s.tokens) for s in samples) / (time.perf_counter() - start)
     if isinstance(c.source, AheadRollouts):
         wait = time.perf_counter()
@@ -305,7 +319,8 @@ def build_components(cfg: Configs, data: PromptData | None, reward_fn: RewardFn 
                     debug.load_debug_rollout_data)
         replay = ReplaySource(debug.load_debug_rollout_data, vocab_size=_vocab_size(base, tokenizer),
                               rollout_batch_size=cfg.rollout.batch_size,
-                              n_samples_per_prompt=cfg.rollout.n_samples_per_prompt, needs_log_probs=cfg.train.use_tis)
+                              n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
+                              needs_log_probs=cfg.train.use_tis or cfg.train.use_rollout_logprobs)
         replay.check_all(range(start_step, run.num_rollout))
         source: RolloutSource = replay
     else:
@@ -340,6 +355,12 @@ def build_components(cfg: Configs, data: PromptData | None, reward_fn: RewardFn 
             cluster.start_trainer(resume or base, base, prepare=_worker_preparation(cfg))
         if engine is None:
             logger.info("--debug-train-only: no rollout engine built; weight sync is skipped")
+        if cfg.train.use_rollout_logprobs:
+            why = " (on with --true-on-policy-mode: they are the trainer's own computation)" \
+                if debug.true_on_policy_mode else ""
+            logger.info("--use-rollout-logprobs%s: the ratio's old log-probs are the engine's, no trainer scoring "
+                        "pass%s; train/recompute_logp_max_diff compares them with the training forward", why,
+                        "" if debug.alignment_check == "off" else " after the step-1 alignment check's")
         in_root = resume is not None and resume.parent.resolve() == save_root(cfg).resolve()
 
         def extra_state() -> dict:

@@ -37,6 +37,24 @@ def test_same_flags_same_hashes_every_step(reference_run, tiny_args, capsys):
     assert "determinism step=1 prompts=" in log
 
 
+def test_the_time_in_the_digests_is_a_metric_of_each_step(tiny_args, monkeypatch):
+    """perf/hash_s: the seconds a step spends in --debug-determinism's digests (the trainer's parameter and
+    gradient digests, the rollout's), so their cost is read from every step rather than from two runs' difference."""
+    import time
+
+    import miles.train.trainer as trainer_module
+
+    digest = trainer_module.named_tensors_digest16
+    monkeypatch.setattr(trainer_module, "named_tensors_digest16",
+                        lambda named: time.sleep(0.1) or digest(named))  # 3 a step: gradients, parameters, log-probs
+    from test_train import metrics
+
+    rows = metrics(run(tiny_args, "--debug-determinism"))
+    assert all(0.3 <= r["perf/hash_s"] < r["perf/step_time_s"] for r in rows)
+    plain = metrics(run(tiny_args, "--output-dir", str(tiny_args[-1]) + "_plain"))
+    assert not any("perf/hash_s" in r for r in plain)
+
+
 def test_the_mode_sets_each_part_and_leaves_uninitialised_memory_unfilled(reference_run):
     import torch
     import torch.utils.deterministic

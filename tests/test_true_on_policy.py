@@ -1,6 +1,8 @@
 """--true-on-policy-mode: the engine's log-probs are the trainer's, bit for bit, and every token was
 sampled from exactly those probabilities."""
 
+import json
+
 import pytest
 import torch
 
@@ -26,7 +28,8 @@ def verifying_engine(path, micro_batch_size):
 
 
 def test_engine_and_trainer_log_probs_are_bitwise_equal(tiny_args):
-    rows = metrics(run(tiny_args, "--true-on-policy-mode", "--num-rollout", "3"))
+    # --no-use-rollout-logprobs: the trainer scores every rollout, so each step compares the two
+    rows = metrics(run(tiny_args, "--true-on-policy-mode", "--no-use-rollout-logprobs", "--num-rollout", "3"))
     for r in rows:
         assert r["train/train_rollout_logprob_abs_diff"] == 0.0
         assert r["forward_logp_max_diff"] == 0.0
@@ -34,6 +37,35 @@ def test_engine_and_trainer_log_probs_are_bitwise_equal(tiny_args):
     # Without the mode the two computations differ in the last bits (fp32 rounding).
     plain = metrics(run(tiny_args, "--num-rollout", "1", "--output-dir", str(tiny_args[-1]) + "_plain"))
     assert 0 < plain[0]["forward_logp_max_diff"] < 1e-4
+
+
+def test_the_mode_trains_on_the_verified_log_probs_without_scoring_them_again(tiny_args, monkeypatch):
+    """The engine's log-probs are the trainer's computation, so the trainer's scoring pass runs only for the step-1
+    alignment check; later steps take the engine's as the old log-probs, and their training forward matches them."""
+    from miles.train.trainer import Trainer
+
+    scored = []
+    original = Trainer._score
+    monkeypatch.setattr(Trainer, "_score", lambda self, *a, **k: scored.append(1) or original(self, *a, **k))
+    out = run(tiny_args, "--true-on-policy-mode", "--num-rollout", "3")
+    rows = metrics(out)
+    assert len(scored) == 1  # step 1's alignment check only
+    assert [r["train/rollout_logprobs_used"] for r in rows] == [0.0, 1.0, 1.0]
+    assert rows[0]["forward_logp_max_diff"] == 0.0
+    assert all("forward_logp_max_diff" not in r for r in rows[1:])  # nothing scored to compare: no fake 0
+    assert all(r["train/recompute_logp_max_diff"] == 0.0 for r in rows)
+    config = json.loads((out / "config.json").read_text())
+    assert config["use_rollout_logprobs"] is True  # the resolved default is what config.json records
+
+
+def test_rollout_logprobs_are_the_old_log_probs(tiny_args):
+    """Without the mode the engine's log-probs differ from the trainer's in their last bits: with
+    --use-rollout-logprobs the training forward is compared with the engine's (a gap), without it with the
+    trainer's own scoring (none)."""
+    reused = metrics(run(tiny_args, "--use-rollout-logprobs", "--num-rollout", "2"))
+    assert reused[1]["train/rollout_logprobs_used"] == 1.0 and reused[1]["train/recompute_logp_max_diff"] > 0
+    scored = metrics(run(tiny_args, "--num-rollout", "2", "--output-dir", str(tiny_args[-1]) + "_scored"))
+    assert scored[1]["train/rollout_logprobs_used"] == 0.0 and scored[1]["train/recompute_logp_max_diff"] == 0.0
 
 
 def test_every_token_is_the_draw_from_the_reported_distribution(tiny_model):
@@ -94,6 +126,14 @@ def test_true_on_policy_usage_errors(tiny_args, flags, words, capsys):
     assert words in capsys.readouterr().err
 
 
+def test_rollout_logprobs_with_tis_is_refused(tiny_args, capsys):
+    from miles.cli.main import main
+
+    assert main(tiny_args + ["--use-rollout-logprobs", "--use-tis"]) == 2
+    assert "with --use-rollout-logprobs the trainer takes the engine's, so the weight is always 1" in \
+        capsys.readouterr().err
+
+
 def test_the_stop_check_is_a_setting_of_the_mode(tiny_args, capsys):
     from miles.cli.main import main
 
@@ -109,3 +149,7 @@ def test_a_step_whose_log_probs_are_not_the_trainers_stops_the_run():
     check_true_on_policy({}, 3)  # no engine log-probs (custom generation): nothing to compare
     with pytest.raises(CheckFailed, match=r"at step 4 the engine's log-probs differ from the trainer's by up to 9.54e-07"):
         check_true_on_policy({"forward_logp_max_diff": 9.54e-07}, 4)
+    # The engine's log-probs taken as the old ones: the training forward is what they are compared with.
+    check_true_on_policy({"train/rollout_logprobs_used": 1.0, "train/recompute_logp_max_diff": 0.0}, 5)
+    with pytest.raises(CheckFailed, match=r"differ from the trainer's training forward by up to 1.19e-07"):
+        check_true_on_policy({"train/rollout_logprobs_used": 1.0, "train/recompute_logp_max_diff": 1.19e-07}, 6)

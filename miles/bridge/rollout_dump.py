@@ -455,5 +455,5 @@ def check_fits(samples: list[Sample], path: Path, *, vocab_size: int, expected: 
                 f"`miles inspect-rollout {path}` lists them)") if len(problems) > 1 else ""
         raise UsageError(problems[0] + more)
     if needs_log_probs and not samples[0].rollout_log_probs:
-        raise UsageError(f"{path}: samples have no engine log-probs (rollout_log_probs), which --use-tis needs; "
-                         f"drop --use-tis or re-capture with miles")
+        raise UsageError(f"{path}: samples have no engine log-probs (rollout_log_probs), which --use-tis and "
+                         f"--use-rollout-logprobs need; drop the flag or re-capture with miles")

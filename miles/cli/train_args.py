@@ -168,6 +168,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kl-loss-type", choices=KL_TYPES, default="k1", help="KL estimator (default: k1)")
     g.add_argument("--use-tis", action="store_true", help="truncated importance sampling on the trainer/engine ratio")
     g.add_argument("--tis-clip", type=float, default=2.0, help="upper clip of the TIS weight (default: 2.0)")
+    g.add_argument("--use-rollout-logprobs", action=argparse.BooleanOptionalAction, default=None,
+                   help="the PPO/GRPO ratio's old log-probs are the engine's, not re-scored by the trainer (no scoring "
+                        "pass; the step-1 alignment check still scores); default: on with --true-on-policy-mode, "
+                        "whose rollout log-probs are the trainer's own computation, off otherwise")
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="loss summed over every response token of the global batch and divided by their count "
                         "(DAPO; TRL loss_type=dapo) instead of each sample's mean averaged over samples (TRL grpo)")
@@ -272,6 +276,7 @@ def validate_train_args(args: argparse.Namespace) -> None:
     _check_dynamic_sampling_flags(args)
     if args.eps_clip_high is None:
         args.eps_clip_high = args.eps_clip
+    _resolve_rollout_logprobs(args)
     if args.advantage_estimator in ("grpo", "gspo") and args.n_samples_per_prompt < 2:
         raise UsageError(f"--advantage-estimator {args.advantage_estimator} normalises rewards within a group: it "
                          f"needs --n-samples-per-prompt >= 2 (got {args.n_samples_per_prompt}), or use "
@@ -295,6 +300,16 @@ def validate_train_args(args: argparse.Namespace) -> None:
         _require("tensorboard", "--use-tensorboard")
     if args.use_wandb:
         _require("wandb", "--use-wandb")
+
+
+def _resolve_rollout_logprobs(args: argparse.Namespace) -> None:
+    """--use-rollout-logprobs: on by default with --true-on-policy-mode (the engine reports the trainer's own
+    log-probs, so the trainer's scoring pass would compute them a second time), off otherwise."""
+    if args.use_rollout_logprobs and args.use_tis:
+        raise UsageError("--use-tis weighs each token by the trainer's over the engine's log-prob; with "
+                         "--use-rollout-logprobs the trainer takes the engine's, so the weight is always 1: drop one")
+    if args.use_rollout_logprobs is None:
+        args.use_rollout_logprobs = bool(args.true_on_policy_mode and not args.use_tis)
 
 
 def _check_dynamic_sampling_flags(args: argparse.Namespace) -> None:

@@ -64,8 +64,8 @@ class TrainerGroup:
 
     # -- the Trainer interface -------------------------------------------------------------------
 
-    def train(self, samples):
-        return self._all("train", samples)[0]
+    def train(self, samples, *, rollout_log_probs: bool = False):
+        return self._all("train", samples, rollout_log_probs=rollout_log_probs)[0]
 
     def send_weights(self, transport: WeightTransport, step: int) -> SyncStats:
         return transport.send(self, step)

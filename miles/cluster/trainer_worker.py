@@ -89,8 +89,8 @@ class TrainerWorker:
 
     # -- the trainer's calls, on every rank; rank 0 answers ---------------------------------------
 
-    def train(self, samples):
-        result = self.trainer.train(samples)
+    def train(self, samples, rollout_log_probs: bool = False):
+        result = self.trainer.train(samples, rollout_log_probs=rollout_log_probs)
         return result if self.rank == 0 else None
 
     def named_weights(self):

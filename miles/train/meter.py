@@ -15,6 +15,7 @@ peak dense bf16 TFLOP/s (989 for an H100/H200 SXM).
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -36,11 +37,26 @@ class StepMeter:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(device)
         self.start = time.perf_counter()
+        self.hash_s: float | None = None  # time in the step's digests (--debug-determinism), once one ran
+
+    @contextlib.contextmanager
+    def hashing(self):
+        """Times a digest of the step into `perf/hash_s`, the device's queued work finished first so that only
+        the digest is counted (each digest ends in a host copy, which waits for that work anyway)."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.hash_s = (self.hash_s or 0.0) + time.perf_counter() - start
 
     def metrics(self, *, flops: float) -> dict[str, float]:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         out = {"perf/train_tflops": flops / (time.perf_counter() - self.start) / 1e12}
+        if self.hash_s is not None:
+            out["perf/hash_s"] = self.hash_s
         if self.cuda:
             out["perf/peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return out

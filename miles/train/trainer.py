@@ -194,28 +194,32 @@ class Trainer:
             raise UsageError(f"--use-rollout-routing-replay: {e} ({fix})" if self.cfg.use_rollout_routing_replay
                              else f"MoE routes: {e} ({fix})") from None
 
-    def train(self, samples: list[Sample]) -> TrainResult:
-        """Scores the rollout, then takes `num_steps_per_rollout` optimizer steps on it."""
+    def train(self, samples: list[Sample], *, rollout_log_probs: bool = False) -> TrainResult:
+        """Scores the rollout, then takes `num_steps_per_rollout` optimizer steps on it. `rollout_log_probs`
+        (--use-rollout-logprobs): the ratio's old log-probs are the engine's, when every sample has them, and the
+        policy's scoring pass is skipped; the first optimizer step's forward is then compared with them
+        (`train/recompute_logp_max_diff`)."""
         self._check_routes(samples)
         batch = TrainBatch.from_samples(samples, self.pad_token_id, self.device)
         meter = StepMeter(self.device)
-        counts = [0, 0] if self.moe is not None and batch.routes is not None else None
-        old_log_probs = self._score(self.model, batch, counts)
+        reused = rollout_log_probs and batch.has_rollout_log_probs
+        counts = [0, 0] if self.moe is not None and batch.routes is not None and not reused else None
+        old_log_probs = batch.rollout_log_probs if reused else self._score(self.model, batch, counts)
         # The reference model routes on its own: R3 fixes the policy's routes to the data's, not the reference's.
         ref_log_probs = self._score(self.ref_model, batch) if self.ref_model is not None else None
         kl = KL_ESTIMATORS[self.cfg.kl_loss_type](old_log_probs, ref_log_probs) if ref_log_probs is not None else None
-        metrics = score_metrics(batch, old_log_probs, ref_log_probs, kl)
+        metrics = score_metrics(batch, old_log_probs, ref_log_probs, kl, reused)
         routing_mismatch = None
         if counts is not None:
             total = self.ranks.sum({"differ": float(counts[0]), "total": float(counts[1])})
             routing_mismatch = total["differ"] / total["total"] if total["total"] else 0.0
             metrics["train/routing_mismatch_frac"] = routing_mismatch
         diagnostics = StepDiagnostics(old_log_probs, ref_log_probs,
-                                      batch.rollout_log_probs if batch.has_rollout_log_probs else None,
+                                      batch.rollout_log_probs if batch.has_rollout_log_probs and not reused else None,
                                       batch.mask, 0.0, routing_mismatch=routing_mismatch,
                                       routing_replay=self.cfg.use_rollout_routing_replay,
                                       moe_without_routes=self.moe is not None and batch.routes is None)
-        if nonfinite := nonfinite_inputs(batch, old_log_probs, ref_log_probs):
+        if nonfinite := nonfinite_inputs(batch, old_log_probs, ref_log_probs, "engine" if reused else "trainer"):
             metrics["train/skipped_nonfinite"] = 1.0
             return TrainResult(metrics, diagnostics, nonfinite=nonfinite)
         advantages = ADVANTAGE_ESTIMATORS[self.cfg.advantage_estimator](
@@ -223,25 +227,28 @@ class Trainer:
         metrics["rollout/advantages"] = masked_mean(advantages, batch.mask).item()
 
         step_metrics, grad_digests, recompute_gap, nonfinite = self._optimize(batch, advantages, old_log_probs,
-                                                                              ref_log_probs)
+                                                                              ref_log_probs, meter)
         for key in step_metrics[0]:
             metrics[key] = sum(m[key] for m in step_metrics) / len(step_metrics)
         metrics["train/recompute_logp_max_diff"] = diagnostics.recompute_max_diff = recompute_gap
-        lo, hi = self.ranks.rows(0, batch.rewards.numel())
-        passes = 2 + (2 if self.ref_model is not None else 0) + 6  # policy and reference scoring, fwd + bwd
-        metrics.update(meter.metrics(flops=passes * self.matmul_params * int(batch.attention_mask[lo:hi].sum())))
         if nonfinite:
             metrics["train/skipped_nonfinite"] = 1.0
         hashes = {}
         if self.record_hashes:
             losses = [m["train/loss"] for m in step_metrics]
-            hashes = {"trainer_log_probs": named_tensors_digest16([("trainer_log_probs", old_log_probs * batch.mask)]),
-                      "loss": bytes_digest16(struct.pack(f"<{len(losses)}d", *losses)),
-                      "gradients": bytes_digest16(*(d.encode() for d in grad_digests)),
-                      "parameters": named_tensors_digest16(full_named_parameters(self.model, self.ranks))}
+            with meter.hashing():
+                if not reused:  # the engine's log-probs: the rollout's own hash covers them
+                    hashes["trainer_log_probs"] = named_tensors_digest16([("trainer_log_probs",
+                                                                           old_log_probs * batch.mask)])
+                hashes.update(loss=bytes_digest16(struct.pack(f"<{len(losses)}d", *losses)),
+                              gradients=bytes_digest16(*(d.encode() for d in grad_digests)),
+                              parameters=named_tensors_digest16(full_named_parameters(self.model, self.ranks)))
+        lo, hi = self.ranks.rows(0, batch.rewards.numel())
+        passes = (0 if reused else 2) + (2 if self.ref_model is not None else 0) + 6  # scorings, fwd + bwd
+        metrics.update(meter.metrics(flops=passes * self.matmul_params * int(batch.attention_mask[lo:hi].sum())))
         return TrainResult(metrics, diagnostics, hashes, nonfinite)
 
-    def _optimize(self, batch: TrainBatch, advantages, old_log_probs, ref_log_probs):
+    def _optimize(self, batch: TrainBatch, advantages, old_log_probs, ref_log_probs, meter: StepMeter):
         """The optimizer steps, each over a global batch accumulated from micro-batches.
 
         Returns each step's metrics, each step's gradient digest (with --debug-determinism), the
@@ -275,8 +282,9 @@ class Trainer:
                     recompute_gap = ranks.max(gap)
                 bad_start = int(ranks.max(bad_start))
                 if self.record_hashes:
-                    grad_digests.append(named_tensors_digest16(
-                        (n, ranks.full(p.grad)) for n, p in self.model.named_parameters()))
+                    with meter.hashing():
+                        grad_digests.append(named_tensors_digest16(
+                            (n, ranks.full(p.grad)) for n, p in self.model.named_parameters()))
                 max_norm = cfg.clip_grad if cfg.clip_grad > 0 else math.inf
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
                 sums["train/grad_norm"] = ranks.full(norm).item()
@@ -433,8 +441,9 @@ class Trainer:
                 for name, m in models.items() if m is not None}
 
 
-def nonfinite_inputs(batch: TrainBatch, old_log_probs, ref_log_probs) -> str | None:
-    """What of a rollout's inputs to the loss is NaN/Inf, naming the samples; None if all is finite."""
+def nonfinite_inputs(batch: TrainBatch, old_log_probs, ref_log_probs, old_from: str = "trainer") -> str | None:
+    """What of a rollout's inputs to the loss is NaN/Inf, naming the samples; None if all is finite. `old_from`:
+    whose the old log-probs are ("trainer", or "engine" under --use-rollout-logprobs)."""
     def samples(bad: torch.Tensor) -> str:
         rows = bad.nonzero().flatten().tolist()
         return ", ".join(map(str, rows[:8])) + (f" (+{len(rows) - 8} more)" if len(rows) > 8 else "")
@@ -443,7 +452,7 @@ def nonfinite_inputs(batch: TrainBatch, old_log_probs, ref_log_probs) -> str | N
     if not bool(torch.isfinite(rewards).all()):
         bad = ~torch.isfinite(rewards)
         return f"reward of sample(s) {samples(bad)} ({rewards[bad][0].item()})"
-    for name, log_probs in (("trainer log-prob", old_log_probs), ("reference log-prob", ref_log_probs)):
+    for name, log_probs in ((f"{old_from} log-prob", old_log_probs), ("reference log-prob", ref_log_probs)):
         if log_probs is not None:
             bad = (~torch.isfinite(log_probs) & (batch.mask > 0)).any(-1)
             if bool(bad.any()):
@@ -451,11 +460,13 @@ def nonfinite_inputs(batch: TrainBatch, old_log_probs, ref_log_probs) -> str | N
     return None
 
 
-def score_metrics(batch: TrainBatch, old_log_probs, ref_log_probs, kl) -> dict[str, float]:
-    """The rollout's log-prob metrics: trainer, reference, and the trainer/engine mismatch."""
+def score_metrics(batch: TrainBatch, old_log_probs, ref_log_probs, kl, reused: bool = False) -> dict[str, float]:
+    """The rollout's log-prob metrics: trainer, reference, and the trainer/engine mismatch (none when the old
+    log-probs are the engine's: `train/rollout_logprobs_used` 1, and no trainer scoring to compare them with)."""
     mask = batch.mask
-    metrics = {"rollout/log_probs": masked_mean(old_log_probs, mask).item()}
-    if batch.has_rollout_log_probs:  # how far the engine's log-probs are from the trainer's
+    metrics = {"rollout/log_probs": masked_mean(old_log_probs, mask).item(),
+               "train/rollout_logprobs_used": float(reused)}
+    if batch.has_rollout_log_probs and not reused:  # how far the engine's log-probs are from the trainer's
         logp_diff = (old_log_probs - batch.rollout_log_probs).abs() * mask
         metrics["train/train_rollout_logprob_abs_diff"] = masked_mean(logp_diff, mask).item()
         metrics["forward_logp_max_diff"] = logp_diff.max().item()
