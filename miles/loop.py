@@ -358,9 +358,9 @@ def build_components(cfg: Configs, data: PromptData | None, reward_fn: RewardFn 
         if cfg.train.use_rollout_logprobs:
             why = " (on with --true-on-policy-mode: they are the trainer's own computation)" \
                 if debug.true_on_policy_mode else ""
-            logger.info("--use-rollout-logprobs%s: the ratio's old log-probs are the engine's, no trainer scoring "
-                        "pass%s; train/recompute_logp_max_diff compares them with the training forward", why,
-                        "" if debug.alignment_check == "off" else " after the step-1 alignment check's")
+            logger.info("--use-rollout-logprobs%s: the ratio's old log-probs are the engine's; the trainer scores "
+                        "a rollout %s; train/recompute_logp_max_diff compares them with the training forward", why,
+                        "never" if debug.alignment_check == "off" else "only for the step-1 alignment check")
         in_root = resume is not None and resume.parent.resolve() == save_root(cfg).resolve()
 
         def extra_state() -> dict:

@@ -4,7 +4,8 @@ Two well-kept libraries, each for what it does well:
 
 - Which culprit: a linear classifier (scikit-learn's LinearSVC over TF-IDF words, each camelCase or
   snake_case identifier also split into its parts: see `words`) trained on every
-  known case (its culprit), every distractor (class "none": a real report whose cause is none of the
+  known case (its report and, as a second document, the cause its maintainers established, both labelled with
+  its culprit), every distractor (class "none": a real report whose cause is none of the
   culprits) and each culprit's profile (culprits.json `signals`, the words its reports use, given five
   times the weight of a case). The input is the query: its error, prose and config lines plus the
   facts read from it (`facts.py`).
@@ -147,8 +148,13 @@ class CaseIndex:
         df = Counter(w for d in docs for w in set(d))
         self.idf = {w: math.log(1 + len(docs) / n) for w, n in df.items()}
         self.doc_words = {c.id: set(d) for c, d in zip(self.cases, docs)}
-        texts = [c.text for c in self.cases] + [t for _, t in self.profiles] * PROFILE_REPEATS
-        labels = [c.culprit or NONE for c in self.cases] + [k for k, _ in self.profiles] * PROFILE_REPEATS
+        # Each known case twice: its report, and its cause in its maintainers' words (culprit_detail), which
+        # names the mechanism that other reports of the culprit describe by its symptoms.
+        known = [c for c in self.cases if c.culprit]
+        texts = [c.text for c in self.cases] + [c.culprit_detail for c in known] + \
+            [t for _, t in self.profiles] * PROFILE_REPEATS
+        labels = [c.culprit or NONE for c in self.cases] + [c.culprit for c in known] + \
+            [k for k, _ in self.profiles] * PROFILE_REPEATS
         self.vectorizer = TfidfVectorizer(analyzer=words, sublinear_tf=True)
         self.classifier = LinearSVC(C=SVM_C).fit(self.vectorizer.fit_transform(texts), labels) \
             if len(set(labels)) > 1 else None
@@ -169,9 +175,9 @@ class CaseIndex:
         df = np.asarray((counts > 0).sum(0)).ravel()
         blocks = [np.flatnonzero(df[:_HASH_FEATURES] >= 1), _HASH_FEATURES + np.flatnonzero(df[_HASH_FEATURES:] >= 2)]
         self.gram_tfidf = [(cols, TfidfTransformer(sublinear_tf=True).fit(counts[:, cols])) for cols in blocks]
-        profiles = gram_counts([t for _, t in self.profiles])
-        return LinearSVC(C=RELEVANCE_C, class_weight="balanced").fit(
-            self.grams(vstack([counts, profiles]).tocsr()), is_case + [True] * len(self.profiles))
+        docs = vstack([counts, gram_counts([t for _, t in self.profiles])]).tocsr() if self.profiles else counts
+        return LinearSVC(C=RELEVANCE_C, class_weight="balanced").fit(self.grams(docs),
+                                                                     is_case + [True] * len(self.profiles))
 
     def grams(self, counts):
         """The detector's features of documents' gram_counts."""
