@@ -224,9 +224,9 @@ def test_a_signal_during_training_lets_the_step_land_then_stops(tiny_args, monke
 
     original = trainer_module.Trainer.train
 
-    def interrupted(self, samples):
+    def interrupted(self, samples, **kw):
         os.kill(os.getpid(), signal.SIGTERM)  # delivered to the main thread inside train()
-        return original(self, samples)
+        return original(self, samples, **kw)
 
     monkeypatch.setattr(trainer_module.Trainer, "train", interrupted)
     args = tiny_args + ["--num-rollout", "3"]
@@ -345,7 +345,7 @@ def test_a_crash_lands_in_train_log_with_its_traceback(tiny_args):
 def test_an_unexpected_exception_is_logged_as_a_crash(tiny_args, monkeypatch):
     from miles.train import trainer as trainer_module
 
-    def broken(self, samples):
+    def broken(self, samples, **kw):
         raise ZeroDivisionError("a bug in the trainer")
 
     monkeypatch.setattr(trainer_module.Trainer, "train", broken)
