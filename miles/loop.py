@@ -206,12 +206,9 @@ def guard_nonfinite(c: Components, result: TrainResult | None, step: int, bad_in
 def check_true_on_policy(metrics: dict, step: int) -> None:
     """--true-on-policy-mode promises the engine's log-probs are the trainer's bit for bit; a step where they
     are not stops the run (after its metrics row is written)."""
-    if metrics.get("train/rollout_logprobs_used"):  # no scoring pass: the training forward is the trainer's side
-        gap, side = metrics.get("train/recompute_logp_max_diff", 0.0), "the trainer's training forward"
-    else:
-        gap, side = metrics.get("forward_logp_max_diff", 0.0), "the trainer's"
+    gap = metrics.get("forward_logp_max_diff", 0.0)  # the scoring's, or (--use-rollout-logprobs) the training forward's
     if gap != 0.0:
-        message = (f"--true-on-policy-mode: at step {step} the engine's log-probs differ from {side} by up to "
+        message = (f"--true-on-policy-mode: at step {step} the engine's log-probs differ from the trainer's by up to "
                    f"{gap:.3g}; they must be equal bit for bit, so a kernel outside the mode's ran on one side: "
                    f"report it with `miles doctor RUN_DIR --bundle bug.md`")
         logger.error(message)
@@ -359,7 +356,7 @@ def build_components(cfg: Configs, data: PromptData | None, reward_fn: RewardFn 
             why = " (on with --true-on-policy-mode: they are the trainer's own computation)" \
                 if debug.true_on_policy_mode else ""
             logger.info("--use-rollout-logprobs%s: the ratio's old log-probs are the engine's; the trainer scores "
-                        "a rollout %s; train/recompute_logp_max_diff compares them with the training forward", why,
+                        "a rollout %s; its training forward is compared with them (forward_logp_max_diff)", why,
                         "never" if debug.alignment_check == "off" else "only for the step-1 alignment check")
         in_root = resume is not None and resume.parent.resolve() == save_root(cfg).resolve()
 

@@ -197,8 +197,8 @@ class Trainer:
     def train(self, samples: list[Sample], *, rollout_log_probs: bool = False) -> TrainResult:
         """Scores the rollout, then takes `num_steps_per_rollout` optimizer steps on it. `rollout_log_probs`
         (--use-rollout-logprobs): the ratio's old log-probs are the engine's, when every sample has them, and the
-        policy's scoring pass is skipped; the first optimizer step's forward is then compared with them
-        (`train/recompute_logp_max_diff`)."""
+        policy's scoring pass is skipped; the trainer/engine gap metrics are then the first optimizer step's training
+        forward's against them."""
         self._check_routes(samples)
         batch = TrainBatch.from_samples(samples, self.pad_token_id, self.device)
         meter = StepMeter(self.device)
@@ -226,11 +226,14 @@ class Trainer:
             batch.rewards, kl, batch.mask, group_size=self.group_size, kl_coef=self.cfg.kl_coef)
         metrics["rollout/advantages"] = masked_mean(advantages, batch.mask).item()
 
-        step_metrics, grad_digests, recompute_gap, nonfinite = self._optimize(batch, advantages, old_log_probs,
-                                                                              ref_log_probs, meter)
+        step_metrics, grad_digests, (recompute_gap, recompute_mean), nonfinite = self._optimize(
+            batch, advantages, old_log_probs, ref_log_probs, meter)
         for key in step_metrics[0]:
             metrics[key] = sum(m[key] for m in step_metrics) / len(step_metrics)
         metrics["train/recompute_logp_max_diff"] = diagnostics.recompute_max_diff = recompute_gap
+        if reused:  # the trainer's side of the trainer/engine gap: its training forward (the first optimizer step)
+            metrics["train/train_rollout_logprob_abs_diff"] = recompute_mean
+            metrics["forward_logp_max_diff"] = recompute_gap
         if nonfinite:
             metrics["train/skipped_nonfinite"] = 1.0
         hashes = {}
@@ -251,12 +254,13 @@ class Trainer:
     def _optimize(self, batch: TrainBatch, advantages, old_log_probs, ref_log_probs, meter: StepMeter):
         """The optimizer steps, each over a global batch accumulated from micro-batches.
 
-        Returns each step's metrics, each step's gradient digest (with --debug-determinism), the
-        largest gap between the first step's training forward and the scoring forward (0 before any
-        update has been made), and what was non-finite when a step was not taken (None if none).
+        Returns each step's metrics, each step's gradient digest (with --debug-determinism), the largest and
+        the mean gap between the first step's training forward and the old log-probs (the scoring forward's: 0
+        before any update has been made; or the engine's), and what was non-finite when a step was not taken
+        (None if none).
         """
         cfg, ranks = self.cfg, self.ranks
-        step_metrics, grad_digests, recompute_gap = [], [], 0.0
+        step_metrics, grad_digests, recompute = [], [], (0.0, 0.0)
         gbs = cfg.global_batch_size
         # Each step's micro-batches: this rank's share of the step's rows, cut by samples or tokens.
         plan = [self._micro_batches(batch, *ranks.rows(step * gbs, (step + 1) * gbs), training=True)
@@ -267,11 +271,13 @@ class Trainer:
                 tokens = int(batch.mask[rows].sum()) if cfg.calculate_per_token_loss else None
                 self.optimizer.zero_grad(set_to_none=True)
                 sums: dict[str, float] = {}
-                bad_start, gap = -1, 0.0  # the first micro-batch (its first row) with a non-finite loss
+                bad_start = -1  # the first micro-batch (its first row) with a non-finite loss
+                gap, gap_sum, gap_tokens = 0.0, 0.0, 0.0
                 for lo, hi in parts:
                     out = self._micro_step(batch.rows(lo, hi), advantages[lo:hi], old_log_probs[lo:hi],
                                            ref_log_probs[lo:hi] if ref_log_probs is not None else None, tokens)
-                    gap = max(gap, out.pop("recompute_max_diff"))
+                    mb_max, mb_sum, mb_tokens = out.pop("recompute")
+                    gap, gap_sum, gap_tokens = max(gap, mb_max), gap_sum + mb_sum, gap_tokens + mb_tokens
                     for key, value in out.items():
                         sums[key] = sums.get(key, 0.0) + value
                     if bad_start < 0 and not math.isfinite(out["train/loss"]):
@@ -279,7 +285,8 @@ class Trainer:
                     bar.advance()
                 sums = ranks.sum(sums)  # each micro-batch's share of the global mean, summed over ranks
                 if step == 0:
-                    recompute_gap = ranks.max(gap)
+                    total = ranks.sum({"sum": gap_sum, "tokens": gap_tokens})
+                    recompute = (ranks.max(gap), total["sum"] / max(total["tokens"], 1.0))
                 bad_start = int(ranks.max(bad_start))
                 if self.record_hashes:
                     with meter.hashing():
@@ -293,11 +300,11 @@ class Trainer:
                     bad_micro_batch = f"the micro-batch starting at sample {bad_start}"
                     where = f"loss of {bad_micro_batch}" if bad_start >= 0 else f"gradient of {self._nonfinite_grad()}"
                     self.optimizer.zero_grad(set_to_none=True)
-                    return step_metrics, grad_digests, recompute_gap, (
+                    return step_metrics, grad_digests, recompute, (
                         f"{where}, optimizer step {step + 1} of {cfg.num_steps_per_rollout}"
                         + (f" (steps 1..{step} of this rollout were taken)" if step else ""))
                 self.optimizer.step()
-        return step_metrics, grad_digests, recompute_gap, None
+        return step_metrics, grad_digests, recompute, None
 
     def _nonfinite_grad(self) -> str:
         """The first parameter whose gradient holds NaN/Inf on any rank (every rank calls this)."""
@@ -327,7 +334,8 @@ class Trainer:
         with self.autocast():
             log_probs, entropy = response_log_probs(self.model, mb, self.temperature, with_entropy=True,
                                                     **self.cfg.scoring_layout)
-        out = {"recompute_max_diff": ((log_probs.detach() - old_log_probs).abs() * mb.mask).max().item()}
+        gap = (log_probs.detach() - old_log_probs).abs() * mb.mask
+        out = {"recompute": torch.stack([gap.max(), gap.sum(), mb.mask.sum().to(gap.dtype)]).tolist()}  # one sync
         pg, clipped, ppo_kl = policy_loss(log_probs, old_log_probs, advantages, mb.mask, eps_clip=cfg.eps_clip,
                                           eps_clip_high=cfg.eps_clip_high,
                                           sequence_level_ratio=cfg.advantage_estimator == "gspo")
@@ -461,8 +469,8 @@ def nonfinite_inputs(batch: TrainBatch, old_log_probs, ref_log_probs, old_from: 
 
 
 def score_metrics(batch: TrainBatch, old_log_probs, ref_log_probs, kl, reused: bool = False) -> dict[str, float]:
-    """The rollout's log-prob metrics: trainer, reference, and the trainer/engine mismatch (none when the old
-    log-probs are the engine's: `train/rollout_logprobs_used` 1, and no trainer scoring to compare them with)."""
+    """The rollout's log-prob metrics: trainer, reference, and the trainer/engine mismatch (when the old log-probs
+    are the engine's, `train/rollout_logprobs_used` 1, the mismatch comes from the training forward instead)."""
     mask = batch.mask
     metrics = {"rollout/log_probs": masked_mean(old_log_probs, mask).item(),
                "train/rollout_logprobs_used": float(reused)}
