@@ -5,7 +5,9 @@ cuBLAS reads CUBLAS_WORKSPACE_CONFIG once), with the parts named applied before 
 the configurations take turns, --repeats times round. Printed per configuration: the steady step
 time (steps 2.., the mean of each run; median [min..max] over the runs), its generation and
 training shares (train+rest: the step less generation and weight sync), and the change against `off`. Two runs of each
-configuration that writes hashes are then compared with `miles diff-runs`.
+configuration that writes hashes are then compared with `miles diff-runs`, and the share of each steady step its
+digests took (`perf/hash_s`) is printed: the hashes' cost measured inside the step, where the difference against
+`off` also holds the 8-15% that runs of one configuration vary by between processes.
 
     python benchmarks/determinism_parts.py [--steps 4] [--repeats 3] [--configs a,b,..] [miles train flags...]
 
@@ -161,6 +163,9 @@ def one_run(name: str, steps: int, extra: list[str], out: Path, profile: Path | 
         result["forward_logp_max_diff"] = max(r.get("forward_logp_max_diff", 0.0) for r in rows)
     if any(r.get("train/rollout_logprobs_used") for r in rows):  # the training forward against the engine's
         result["recompute_logp_max_diff"] = max(r.get("train/recompute_logp_max_diff", 0.0) for r in rows)
+    if all("perf/hash_s" in r for r in steady):  # --debug-determinism: the digests' share of each steady step
+        shares = [r["perf/hash_s"] / r["perf/step_time_s"] for r in steady]
+        result["hash_share"] = (min(shares), max(shares))
     return result
 
 
@@ -190,6 +195,11 @@ def bench(configs: list[str], steps: int, repeats: int, extra: list[str], profil
             continue
         vs = f"{100 * (_median(runs, 'step') / base - 1):+.1f}%" if base else ""
         print(f"{name:26}{_spread(runs, 'step'):>24}{vs:>9}{_spread(runs, 'generate'):>24}{_spread(runs, 'train'):>24}")
+    for name, runs in results.items():
+        shares = [share for r in runs for share in r.get("hash_share", ())]
+        if shares:
+            print(f"{name}: the digests took {100 * min(shares):.2f}% to {100 * max(shares):.2f}% of each steady step "
+                  f"(perf/hash_s, {len(runs)} runs)")
     for name, same in identical.items():
         print(f"{name}: {repeats} runs hash identically at every step: {same}")
 
