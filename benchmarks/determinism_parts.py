@@ -160,9 +160,9 @@ def one_run(name: str, steps: int, extra: list[str], out: Path, profile: Path | 
     result = {"step": step, "generate": gen, "train": step - gen - sync}
     if any("rollout/true_on_policy_redrawn" in r for r in rows):  # tokens re-drawn per rollout, every step
         result["redrawn"] = [r["rollout/true_on_policy_redrawn"] for r in rows]
+    # The mode's trainer/engine gap: the scoring's, or on steps on the engine's log-probs the training forward's
+    if any("rollout/true_on_policy_redrawn" in r or r.get("train/rollout_logprobs_used") for r in rows):
         result["forward_logp_max_diff"] = max(r.get("forward_logp_max_diff", 0.0) for r in rows)
-    if any(r.get("train/rollout_logprobs_used") for r in rows):  # the training forward against the engine's
-        result["recompute_logp_max_diff"] = max(r.get("train/recompute_logp_max_diff", 0.0) for r in rows)
     if all("perf/hash_s" in r for r in steady):  # --debug-determinism: the digests' share of each steady step
         shares = [r["perf/hash_s"] / r["perf/step_time_s"] for r in steady]
         result["hash_share"] = (min(shares), max(shares))
