@@ -82,6 +82,8 @@ def test_facts_of_a_pasted_issue_and_a_pip_freeze():
     freeze = read_facts(FREEZE + "vllm==0.10.2\npeft==0.17.0\n")
     assert freeze.pip_freeze and freeze.versions["torch"] == "2.8.0" and freeze.versions["flash-attn"] == "2.8.3"
     assert not read_facts(FREEZE.splitlines()[0]).pip_freeze
+    prose = read_facts("Using verl 0.4 with vllm 0.8.5. Also torch 2.5.1+cu121, sglang 0.4.6.post1.")
+    assert prose.versions == {"verl": "0.4", "vllm": "0.8.5", "torch": "2.5.1+cu121", "sglang": "0.4.6.post1"}
 
 
 def test_a_pasted_issue_gets_the_culprit_its_evidence_and_known_cases(capsys, tmp_path):
@@ -120,6 +122,26 @@ def test_nothing_known_says_what_was_read_and_what_is_missing(capsys, tmp_path):
     assert "no known symptom found" in text
     assert "What the doctor could read: framework: verl" in text
     assert "Missing, to name a culprit: versions" in text and "an error line or stack trace" in text
+    assert "Closest known failures" not in text  # nothing said to be wrong: no pointers either
+
+
+def test_trouble_below_the_bar_lists_the_closest_known_failures_without_naming_a_culprit(capsys, tmp_path):
+    """A report that says something is wrong but that the known-failure check does not take: no finding (exit 0),
+    and the closest known cases of the ranking's first culprit as pointers, in the text and the JSON."""
+    note = tmp_path / "note.md"
+    note.write_text("### Training is slower than expected with verl 0.4\n\nI run GRPO with verl on Qwen2.5-7B, "
+                    "8xH100, rollout vllm 0.8.5. The throughput seems lower than the blog post says.\n"
+                    "Is there a recommended config for gpu_memory_utilization?\n")
+    capsys.readouterr()
+    assert main(["doctor", str(note)]) == 0
+    text = capsys.readouterr().out
+    assert "no known symptom found" in text and "Closest known failures, not close enough to name a culprit" in text
+    out = doctor_json(capsys, note)
+    assert not out["findings"]
+    near = out["closest_known"]
+    urls = {c.url: c.culprit for c in cases()}
+    assert near["cases"] and all(urls[c["url"]] == near["culprit_id"] for c in near["cases"])
+    assert all(c["url"] in text for c in near["cases"])
 
 
 def test_a_persons_sentences_are_read_as_a_symptom_and_a_programs_output_is_not(capsys, tmp_path):

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from miles.errors import UsageError
 
     corpus = collect(args.paths)
-    findings, facts = diagnose_full(corpus)
+    findings, facts, closest = diagnose_full(corpus)
     for f in findings:  # evidence (and culprits naming an error line) quote logs; logs hold tokens
         f.symptom, f.culprit, f.fix = redact(f.symptom), redact(f.culprit), redact(f.fix)  # fix: resume commands
         for e in f.evidence:
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     runs = run_states(corpus)
     for r in runs:
         r.detail = redact(r.detail)
-    text = render(corpus, findings, sigs, runs, facts)
+    text = render(corpus, findings, sigs, runs, facts, closest)
     bundle = None
     if args.bundle:
         try:
@@ -68,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"paths": args.paths, "findings": [f.to_dict() for f in findings],
                           "signal_phrases": [s.to_dict() for s in sigs], "runs": [r.to_dict() for r in runs],
-                          "facts": facts.to_dict(), "read": corpus.read_list(),
+                          "facts": facts.to_dict(), "closest_known": closest.to_dict() if closest else None,
+                          "read": corpus.read_list(),
                           "skipped": [{"path": p, "why": w} for p, w in corpus.skipped],
                           "bundle": str(bundle) if bundle else None}, indent=2))
     else:
@@ -85,17 +86,18 @@ def diagnose(corpus, index=None) -> list:
 
 
 def diagnose_full(corpus, index=None) -> tuple:
-    """(findings, the facts read from the input)."""
+    """(findings, the facts read from the input, the closest known failures when nothing was found but the input
+    says something is wrong: retrieval.Closest or None)."""
     from miles.debug.doctor import crashes, run_state, signals  # noqa: F401  (importing registers their rules)
     from miles.debug.doctor.findings import merge_and_rank
     from miles.debug.doctor.retrieval import consult
     from miles.debug.doctor.rules import RULES
 
-    findings, facts = consult(corpus, merge_and_rank([f for rule in RULES for f in rule(corpus)]), index)
-    return findings or crashes.unrecognised_error(corpus), facts
+    findings, facts, closest = consult(corpus, merge_and_rank([f for rule in RULES for f in rule(corpus)]), index)
+    return findings or crashes.unrecognised_error(corpus), facts, closest
 
 
-def render(corpus, findings: list, sigs: list, runs: list = (), facts=None) -> str:
+def render(corpus, findings: list, sigs: list, runs: list = (), facts=None, closest=None) -> str:
     read = corpus.read_list()
     out = []
     if findings:
@@ -118,6 +120,11 @@ def render(corpus, findings: list, sigs: list, runs: list = (), facts=None) -> s
                                                                                     "error or metric"))
         if facts.missing() and not any(log.kind == "miles-train" for log in corpus.logs):  # a run dir holds it all
             out.append("Missing, to name a culprit: " + "; ".join(facts.missing()))
+        out.append("")
+    if closest is not None and (not findings or all(f.id == "unrecognised_error" for f in findings)):
+        kind = closest.to_dict()["culprit"].split(" (")[0]
+        out.append(f"Closest known failures, not close enough to name a culprit (nearest kind: {kind}):")
+        out.extend(f"  {c['url']} ({c['framework']}: {c['title']})" for c in closest.cases)
         out.append("")
     found = [f"`{s.phrase}` ({s.count}x)" for s in sigs if s.count]
     out.append("Signal phrases: found " + (", ".join(found) if found else "none"))

@@ -28,7 +28,7 @@ _SAME = {"pytorch": "torch", "megatron-lm": "megatron-core", "megatron": "megatr
 # `name==1.2.3` (pip freeze), `name 1.2.3`, `name version: 1.2.3`, and `name version: <commit>` (a git checkout).
 _VERSION = re.compile(r"(?i)(?<![\w-])(" + "|".join(re.escape(p).replace(r"\-", "[-_ ]?") for p in PACKAGES)
                       + r")(?:(?:[-_ ]?version\s*[:=]\s*(?P<commit>[0-9a-f]{7,40})\b)|(?:[-_ ]?version)?\s*(?:==|:|=|\s)"
-                        r"\s*v?(?P<v>\d+\.\d+(?:\.\d+)?(?:[.+\w]*)?))")
+                        r"\s*v?(?P<v>\d+\.\d+\w*(?:[.+]\w+)*))")  # 2.5.1+cu121, 0.8.5.post1; not a sentence's full stop
 # RL frameworks come before the engines and libraries they run on: a slime report mentions SGLang more often.
 RL_FRAMEWORKS = ("miles", "slime", "verl", "trl", "openrlhf", "prime-rl", "nemo-rl", "skyrl", "areal")
 # The launch flags the guide's culprits hinge on (slime/Miles names, verl's and vLLM's spellings too).

@@ -329,10 +329,22 @@ def default_index() -> CaseIndex:
     return _INDEX
 
 
-def consult(corpus, findings: list[Finding], index: CaseIndex | None = None) -> tuple[list[Finding], object]:
+@dataclass
+class Closest:
+    """The known failures nearest to an input that describes trouble but names no culprit: the ranking's first
+    culprit and its closest cases, printed as pointers, not as a finding (the known-failure check said no)."""
+    culprit: str  # culprit id
+    cases: list[dict]  # seen_before(...)
+
+    def to_dict(self) -> dict:
+        return {"culprit_id": self.culprit, "culprit": culprits()[self.culprit].name, "cases": self.cases}
+
+
+def consult(corpus, findings: list[Finding], index: CaseIndex | None = None):
     """The rules' findings with the knowledge base's word on them: known cases of the culprit a rule named
     ("seen before in"), and a finding of its own when the classifier names a culprit and no rule's
-    signature (confidence >= 0.75) has named one already. Returns (findings ranked, the facts read)."""
+    signature (confidence >= 0.75) has named one already. Returns (findings ranked, the facts read, Closest or
+    None): when the input says something is wrong and nothing was found, the closest known failures."""
     from miles.debug.doctor.facts import read_facts
 
     index = index or default_index()
@@ -346,4 +358,7 @@ def consult(corpus, findings: list[Finding], index: CaseIndex | None = None) -> 
     sure = any(f.confidence >= 0.75 for f in findings)  # a rule's signature named it: no second opinion
     if symptomatic and not sure and m.top is not None and m.top not in {f.kb for f in findings}:
         findings = sorted([*findings, finding_from(index, m, lines)], key=lambda f: (not f.fate, -f.confidence))
-    return findings, facts
+    first = next(iter(m.ranked_culprits()), None)
+    closest = Closest(first, seen_before(m.closest[first])) if symptomatic and not findings and \
+        m.closest.get(first) else None
+    return findings, facts, closest
