@@ -335,6 +335,16 @@ def test_an_unwritable_save_dir_is_found_before_any_model_loads(tiny_args, tmp_p
     assert not out_dir(tiny_args).exists()
 
 
+def test_a_dir_that_takes_no_file_is_found_before_any_model_loads_also_for_root(tiny_args, monkeypatch, capsys):
+    """/proc takes no new file whatever the permission bits say; root's os.access says yes to everything."""
+    monkeypatch.setattr(os, "access", lambda *a, **kw: True)
+    assert main(tiny_args + ["--output-dir", "/proc/miles-test-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --output-dir /proc/miles-test-run cannot be created: /proc takes no new file")
+    assert main(["selftest", "--write-expected", "/proc/miles-selftest.json"]) == 2  # before the recipe runs
+    assert capsys.readouterr().err.startswith("error: --write-expected /proc takes no new file")
+
+
 def test_a_crash_lands_in_train_log_with_its_traceback(tiny_args):
     r = finish(with_reward(tiny_args, "crashes") + ["--num-rollout", "1"])
     assert r.returncode == 2  # a custom reward's exception is the user's: one error line

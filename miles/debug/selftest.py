@@ -325,6 +325,10 @@ def read_reference(path: str) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.write_expected:  # before the recipe runs, not after
+        from miles.utils.io import check_writable_dir
+
+        check_writable_dir(Path(args.write_expected).absolute().parent, "--write-expected")
     expected = None if args.write_expected else read_reference(args.expected)
     with tempfile.TemporaryDirectory() as tmp:
         got = run_recipe(Path(tmp))

@@ -74,7 +74,7 @@ def readable_mode(directory: bool = False) -> int:
 
 def check_writable_dir(path: str | Path, flag: str) -> None:
     """A UsageError naming `flag` unless `path` is a directory this process can write, or could be
-    created in one; nothing is created."""
+    created in one; nothing is left behind."""
     from miles.errors import UsageError
 
     path = Path(path).absolute()
@@ -86,3 +86,10 @@ def check_writable_dir(path: str | Path, flag: str) -> None:
     if not os.access(probe, os.W_OK | os.X_OK):
         what = "is not writable" if probe == path else f"cannot be created: {probe} is not writable"
         raise UsageError(f"{flag} {path} {what} by this user; pick a writable directory")
+    try:  # the permission bits do not tell for root, read-only mounts or /proc: write a file that is never named
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        what = "" if probe == path else f" cannot be created: {probe}"
+        raise UsageError(f"{flag} {path}{what} takes no new file ({e.strerror or e}); pick a writable directory") \
+            from None
