@@ -140,7 +140,10 @@ def test_replay_rejects_non_dumps(tiny_args, tmp_path):
                  "not a rollout dump")
     (tmp_path / "text_0.pt").write_text("hello")
     assert_error(replay(tiny_args, tmp_path / "text_{rollout_id}.pt", "--num-rollout", "1"), "text_0.pt",
-                 "not a readable rollout dump")
+                 "not a readable rollout dump (not a file torch.save wrote: no zip header)")
+    torch.save({"samples": [], "made_by": object}, tmp_path / "objects_0.pt")  # a pickled class: never loaded
+    assert_error(replay(tiny_args, tmp_path / "objects_{rollout_id}.pt", "--num-rollout", "1"), "objects_0.pt",
+                 "(Unsupported global: GLOBAL object was not an allowed global by default: objects a dump never holds)")
 
 
 def test_replay_rejects_truncated_dump(tiny_args, dumps, tmp_path):

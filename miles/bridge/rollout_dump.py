@@ -131,6 +131,18 @@ def _plain_key(key: Any) -> Any:
 # ---------------------------------------------------------------- reading
 
 
+def _load_failure(path: Path, e: Exception) -> str:
+    """Why torch.load refused PATH, in one short clause."""
+    with open(path, "rb") as f:
+        if f.read(2) != b"PK":  # torch.save writes a zip archive
+            return "not a file torch.save wrote: no zip header"
+    # torch's weights-only refusal is a paragraph about torch.load's defaults; its cause is one line in it
+    cause = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n\n|$)", str(e), re.S)
+    if cause:
+        return f"{cause.group(1).split('. ')[0][:120]}: objects a dump never holds"
+    return str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+
+
 def read_dump(path: Path, source: str = LOAD_FLAG) -> dict[str, Any]:
     """Loads one dump file; any failure is a UsageError naming the file (and `source`, the flag
     or command that asked for it)."""
@@ -140,8 +152,7 @@ def read_dump(path: Path, source: str = LOAD_FLAG) -> dict[str, Any]:
     try:
         payload = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:  # truncated zip, garbage bytes, a pickle of arbitrary objects, ...
-        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise UsageError(f"{path}: not a readable rollout dump ({reason}); re-capture it with "
+        raise UsageError(f"{path}: not a readable rollout dump ({_load_failure(path, e)}); re-capture it with "
                          f"--save-debug-rollout-data") from None
     if not isinstance(payload, dict) or not isinstance(payload.get("samples"), list):
         got = f"keys {_short(sorted(map(str, payload)))}" if isinstance(payload, dict) else type(payload).__name__
