@@ -69,6 +69,7 @@ def data_dir(tmp_path):
     (["--rm-type", "bogus"], ["--rm-type", "math"]),
     (["--custom-rm-path", "no_colon"], ["--custom-rm-path"]),
     (["--custom-rm-path", "no_such_module_xyz:fn"], ["--custom-rm-path", "no_such_module_xyz"]),
+    (["--seed", "-1"], ["--seed must be in [0, 2**32 - 1] (got -1)"]),
     (["--prompt-data", "{d}/good.jsonl", "--input-key", "question"], ["--label-key"]),
     (["--rollout-batch-size", "x"], ["--rollout-batch-size", "invalid int value"]),
     (["--bogus-flag"], ["--bogus-flag"]),
@@ -80,6 +81,18 @@ def test_bad_input_is_one_error_line_before_torch(flags, fragments, data_dir, tm
     result = miles("train", *flags, "--output-dir", str(tmp_path / "run"), cwd=tmp_path)
     assert_usage_error(result, *fragments)
     assert not (tmp_path / "run").exists()  # nothing half-written
+
+
+def test_a_reward_module_that_fails_to_import_is_one_error_line(tmp_path):
+    """The user's module: a syntax error names its file and line; an exception at its top level its type."""
+    (tmp_path / "broken_syntax.py").write_text("def f(:\n")
+    (tmp_path / "raises_on_import.py").write_text("x = 1 / 0\n")
+    run = ["--output-dir", str(tmp_path / "run")]
+    assert_usage_error(miles("train", "--custom-rm-path", "broken_syntax:f", *run, cwd=tmp_path),
+                       f"--custom-rm-path broken_syntax:f: {tmp_path / 'broken_syntax.py'}:1: invalid syntax")
+    assert_usage_error(miles("train", "--custom-rm-path", "raises_on_import:f", *run, cwd=tmp_path),
+                       "importing 'raises_on_import' raised ZeroDivisionError: division by zero")
+    assert not (tmp_path / "run").exists()
 
 
 def test_existing_run_dir_is_not_overwritten(tmp_path):

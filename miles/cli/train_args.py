@@ -263,6 +263,8 @@ def validate_train_args(args: argparse.Namespace) -> None:
               "rollout_max_prompt_len", "lr", "tis_clip", "keep_checkpoints", "max_nonfinite_steps", "reward_timeout")
     _positive(args, "rollout_temperature", "clip_grad", "eps_clip", "eps_clip_high", "kl_coef",
               "kl_loss_coef", "weight_decay", allow_zero=True)
+    if not 0 <= args.seed < 2 ** 32:  # NumPy's seed range; torch's and the per-sample streams' hold it
+        raise UsageError(f"--seed must be in [0, 2**32 - 1] (got {args.seed})")
     if not 0 < args.rollout_top_p <= 1:
         raise UsageError(f"--rollout-top-p must be in (0, 1] (got {args.rollout_top_p})")
     if args.log_probs_chunk_size == 0 or args.log_probs_chunk_size < -1:

@@ -25,6 +25,11 @@ def load_function(path: str, flag: str) -> Callable:
             f"{flag} {path}: cannot import module {module_name!r} ({e}); "
             "run from the directory that contains it or add it to PYTHONPATH"
         ) from e
+    except SyntaxError as e:
+        raise UsageError(f"{flag} {path}: {e.filename}:{e.lineno}: {e.msg}; fix the module") from None
+    except Exception as e:  # the module's own top-level code raised
+        raise UsageError(f"{flag} {path}: importing {module_name!r} raised {type(e).__name__}: {e}; fix the module") \
+            from e
     fn = getattr(module, attr, None)
     if fn is None:
         raise UsageError(f"{flag} {path}: module {module_name!r} has no {attr!r}")
