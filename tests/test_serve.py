@@ -921,6 +921,14 @@ def test_a_non_loopback_host_without_an_api_key_is_a_usage_error():
     assert len(lines) == 1 and lines[0].startswith("error: --host 0.0.0.0") and "--api-key" in lines[0]
 
 
+def test_a_checkpoint_dir_without_a_config_is_one_error_line_before_the_port_binds(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "miles", "serve", "--hf-checkpoint", str(tmp_path / "nowhere"),
+                        "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [f"error: --hf-checkpoint {tmp_path / 'nowhere'}: not a Hugging Face "
+                                             "model dir (no config.json)"]
+
+
 def test_a_port_in_use_is_a_usage_error(server):
     port = server.url.rsplit(":", 1)[1]
     r = subprocess.run([sys.executable, "-m", "miles", "serve", "--port", port], capture_output=True, text=True,
