@@ -60,6 +60,8 @@ CASES = [
     ("ray_nccl_weight_sync", "nccl_timeout", "NCCL hang / timeout during weight sync", "NCCL_TIMEOUT=900"),
     ("rewards_zero", "reward_constant", "their reward is 0", "--label-key"),
     ("trl_rewards_zero.log", "reward_constant", "rewards all zero over 3 steps", "--label-key"),
+    ("verl_nan_reward.log", "reward_nonfinite", "non-finite rewards (NaN/Inf) at step 3, 4",
+     "return a finite number for every response"),
     ("ray_worker_crashed", "worker_crashed", "a Ray worker died (pid 48213", "RAY_DEDUP_LOGS=0"),
     ("weight_sync_fail", "weight_sync_mismatch", "engine weights differ from the trainer's", "miles check-weights"),
 ]
@@ -316,6 +318,10 @@ def test_bad_path_is_a_usage_error(capsys, tmp_path):
     (tmp_path / "empty").mkdir()
     rc, _, err = doctor(capsys, tmp_path / "empty")
     assert rc == 2 and err.startswith("error: ") and "nothing" not in err and "no log, metrics" in err
+    (tmp_path / "data_0.pt").write_bytes(b"\x00garbage")  # a dump torch cannot load: why, said once
+    rc, _, err = doctor(capsys, tmp_path / "data_0.pt")
+    assert rc == 2 and err.count("not a readable rollout dump") == 1
+    assert f"({tmp_path / 'data_0.pt'}: not a readable rollout dump (not a file torch.save wrote: no zip header)" in err
 
 
 def test_reading_text_logs_never_imports_torch():

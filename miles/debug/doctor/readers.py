@@ -399,7 +399,10 @@ def _read_dumps(paths: list[Path], corpus: Corpus) -> None:
             payload = read_dump(path)
             n_per_prompt = int((payload.get("metadata") or {}).get("n_samples_per_prompt") or 1)
             samples = samples_from_dump(payload, path, n_per_prompt)
-        except (UsageError, ValueError, TypeError) as e:
+        except UsageError as e:  # read_dump's reason names the file and says "not a ... rollout dump" itself
+            corpus.skipped.append((str(path), str(e).removeprefix(f"{path}: ")))
+            continue
+        except (ValueError, TypeError) as e:
             corpus.skipped.append((str(path), f"not a readable rollout dump: {e}"))
             continue
         log_probs = [lp for s in samples for lp in s.rollout_log_probs]

@@ -393,6 +393,23 @@ def nan_gradients(c: Corpus) -> list[Finding]:
 
 
 @rule
+def nonfinite_rewards(c: Corpus) -> list[Finding]:
+    """NaN/Inf in the reward series: every other metric of that step is computed from it."""
+    bad = [p for src in c.metrics for p in src.series.get("reward", []) if not math.isfinite(p.value)]
+    if not bad:
+        return []
+    steps = sorted({p.step for p in bad})
+    where = ", ".join(map(str, steps[:3])) + (f" and {len(steps) - 3} more" if len(steps) > 3 else "")
+    return [Finding("reward_nonfinite", f"non-finite rewards (NaN/Inf) at step {where}",
+                    0.85, [point_ev(p) for p in bad[:2]],
+                    "the reward function returned NaN/Inf for some samples (a division by zero or an unparsed answer "
+                    "turned into float('nan'), a reward model's overflow), or a reward of None averaged in",
+                    "read the samples of that step (`miles inspect-rollout DUMP`, `--debug-rollout-print-every 1`); "
+                    "make the reward return a finite number for every response, 0.0 for one it cannot score",
+                    kb="reward_bug")]
+
+
+@rule
 def rewards_constant(c: Corpus) -> list[Finding]:
     culprit = ("the reward never fires: labels read from the wrong key (a --label-key typo leaves them empty), "
                "or the responses' answer format is not what the reward parses")
