@@ -117,7 +117,8 @@ def run_training(cfg: Configs, data: PromptData | None, reward_fn: RewardFn | No
         for writer in outputs:
             writer.close()
         closers.close()  # the servers this run started
-    logger.info("Done: %d steps; metrics in %s", run.num_rollout - c.start_step, output_dir / "metrics.jsonl")
+    steps = run.num_rollout - c.start_step
+    logger.info("Done: %d step%s; metrics in %s", steps, "" if steps == 1 else "s", output_dir / "metrics.jsonl")
 
 
 def train_steps(c: Components, cfg: Configs, signals: StopSignals, metrics_out: MetricsWriter,

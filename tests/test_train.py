@@ -89,7 +89,8 @@ def test_resume_continues_the_step_count_and_the_run(tiny_args, tmp_path):
                       "--output-dir", str(tmp_path / "resumed"))
     resumed = metrics(resumed_dir)
     assert [r["step"] for r in resumed] == [3]
-    assert "Resuming after step 2" in (resumed_dir / "train.log").read_text()
+    log = (resumed_dir / "train.log").read_text()
+    assert "Resuming after step 2" in log and "Done: 1 step; metrics in" in log
     assert main(tiny_args + ["--load", str(first / "checkpoints"), "--output-dir", str(tmp_path / "nothing")]) == 2
     # Weights, optimizer state and data position all carried over: step 3 is the same step 3.
     for key in ("rollout/reward_mean", "train/loss", "train/grad_norm", "rollout/log_probs"):
