@@ -129,6 +129,16 @@ def test_rollout_only_with_a_server_loads_no_model(tiny_args, served, monkeypatc
     assert [r["step"] for r in metrics(out_dir(argv))] == [1, 2]
 
 
+def test_a_server_that_exits_while_starting_names_the_command_and_its_log(tiny_model, tmp_path):
+    """A --vllm-python that is no python (here /bin/false): the error says what was started and where its log is."""
+    fleet = ServerFleet("vllm", str(tiny_model), 1, log_dir=str(tmp_path / "logs"), start_timeout=60,
+                        precision="fp32", seed=0, max_model_len=512, python="/bin/false", weight_version=0)
+    with fleet, pytest.raises(EngineError) as e:
+        fleet.start()
+    assert "exited with code 1 while starting (started as `/bin/false -m vllm." in str(e.value)
+    assert f"last lines of {tmp_path / 'logs'}" in str(e.value)
+
+
 def test_a_server_killed_mid_run_is_one_error_line_and_no_corrupt_checkpoint(tiny_args, tiny_model, tmp_path):
     fleet = ServerFleet("sglang", str(tiny_model), 1, log_dir=str(tmp_path / "logs"), start_timeout=120,
                         precision="fp32", seed=42, max_model_len=512, python=None, weight_version=0)

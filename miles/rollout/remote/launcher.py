@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -193,7 +194,8 @@ class ServerFleet:
         while True:
             if server.process.poll() is not None:
                 raise EngineError(f"the {self.backend} server {server.url} exited with code "
-                                  f"{server.process.returncode} while starting; last lines of {server.log}: "
+                                  f"{server.process.returncode} while starting (started as "
+                                  f"`{shlex.join(server.process.args[:3])} ...`); last lines of {server.log}: "
                                   f"{tail(server.log)}")
             try:
                 if httpx.get(server.url + path, timeout=5).status_code == 200:
