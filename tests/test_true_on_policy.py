@@ -94,6 +94,30 @@ def test_every_token_is_the_draw_from_the_reported_distribution(tiny_model):
         assert drawn.tolist() == out.token_ids
 
 
+def test_the_check_holds_one_micro_batch_of_logits_at_a_time(tiny_model):
+    """The check draws from each micro-batch's logits as the scoring makes them and keeps none: a rollout's
+    B x R x V logits (64 x 256 x 151,936 fp32 is 10 GB) are never held at once."""
+    import weakref
+
+    engine, tok = verifying_engine(tiny_model, micro_batch_size=2)
+    score, sizes, alive = engine.verifier.score, [], []
+
+    def spy(model, sequences, response_lengths, on_logits):
+        def sink(start, stop, logits):
+            assert all(ref() is None for ref in alive), "an earlier micro-batch's logits are still held"
+            sizes.append(logits.shape[0])
+            alive.append(weakref.ref(logits))
+            on_logits(start, stop, logits)
+
+        return score(model, sequences, response_lengths, on_logits=sink)
+
+    engine.verifier.score = spy
+    prompts = [tok(t)["input_ids"] for t in ("hello", "what is two plus two?", "x", "abc", "def", "ghi")]
+    outs = engine.generate(prompts, sp(8, 1.0, 1.0), list(range(6)))
+    assert sizes == [2, 2, 2] and all(o.token_ids for o in outs)
+    assert all(ref() is None for ref in alive)
+
+
 def test_a_disagreeing_token_is_redrawn_and_decoding_resumes(tiny_model, monkeypatch):
     """Plant a disagreement: the KV-cache decode samples one token wrongly; the check must catch
     it, keep the trainer-computation draw and decode on from there."""

@@ -152,14 +152,20 @@ def _packed_forward(model, batch: TrainBatch):
     return hidden[0], input_ids[0], index
 
 
+# on_logits(start, stop, logits): one micro-batch's raw logits (stop - start, R, V) at the response positions
+LogitsSink = Callable[[int, int, torch.Tensor], None]
+
+
 @torch.no_grad()
 def score_rollout(model, batch: TrainBatch, micro_batch_size: int, temperature: float, autocast,
                   with_logits: bool = False, *, packed: bool = True, chunk_size: int = LOG_PROBS_CHUNK_SIZE,
                   compiled: bool = False, around: Callable[[TrainBatch], contextlib.AbstractContextManager] | None = None,
-                  bounds: list[tuple[int, int]] | None = None):
+                  bounds: list[tuple[int, int]] | None = None, on_logits: LogitsSink | None = None):
     """The trainer's scoring pass: response log-probs (B, R), micro-batch by micro-batch (rows
     [start, stop) of `bounds`, or `micro_batch_size` rows each); each micro-batch's forward runs
-    inside `around(micro_batch)` when given (MoE routes: the trainer's).
+    inside `around(micro_batch)` when given (MoE routes: the trainer's). The second value: the logits
+    (B, R, V) with `with_logits`; with `on_logits` each micro-batch's go to it instead and are not kept
+    (a rollout's B x R x V would not fit at scale), and it is None.
 
     `--true-on-policy-mode` runs this very function in the engine too (`score_sequences`), on the
     same batch layout, so that both sides compute the same numbers with the same kernels, shapes
@@ -170,19 +176,25 @@ def score_rollout(model, batch: TrainBatch, micro_batch_size: int, temperature: 
         mb = batch.rows(start, stop)
         with autocast(), (around(mb) if around is not None else contextlib.nullcontext()):
             lp, rows = response_log_probs(model, mb, temperature, packed=packed, chunk_size=chunk_size,
-                                          compiled=compiled, with_logits=with_logits)
+                                          compiled=compiled, with_logits=with_logits or on_logits is not None)
         log_probs.append(lp)
-        logits.append(rows)
-    return torch.cat(log_probs), (torch.cat(logits) if with_logits else None)
+        if on_logits is not None:
+            on_logits(start, stop, rows)
+        elif with_logits:
+            logits.append(rows)
+        del rows
+    return torch.cat(log_probs), (torch.cat(logits) if with_logits and on_logits is None else None)
 
 
 def score_sequences(model, sequences: list[list[int]], response_lengths: list[int], *, micro_batch_size: int,
                     temperature: float, pad_token_id: int, autocast, packed: bool = True,
-                    chunk_size: int = LOG_PROBS_CHUNK_SIZE, compiled: bool = False):
+                    chunk_size: int = LOG_PROBS_CHUNK_SIZE, compiled: bool = False,
+                    on_logits: LogitsSink | None = None):
     """`score_rollout` over token sequences whose last response_lengths[i] tokens are the response:
-    (log-probs (B, R), logits (B, R, V)), laid out exactly as in training."""
+    (log-probs (B, R), logits (B, R, V), or None when `on_logits` takes them micro-batch by micro-batch),
+    laid out exactly as in training."""
     samples = [Sample(group_index=0, index=i, prompt="", tokens=seq, response_length=n, loss_mask=[1] * n)
                for i, (seq, n) in enumerate(zip(sequences, response_lengths))]
     batch = TrainBatch.from_samples(samples, pad_token_id, next(model.parameters()).device)
-    return score_rollout(model, batch, micro_batch_size, temperature, autocast, with_logits=True, packed=packed,
-                         chunk_size=chunk_size, compiled=compiled)
+    return score_rollout(model, batch, micro_batch_size, temperature, autocast, with_logits=on_logits is None,
+                         packed=packed, chunk_size=chunk_size, compiled=compiled, on_logits=on_logits)

@@ -32,8 +32,9 @@ from miles.config import SamplingParams
 from miles.rollout.engine import GenerationOutput
 from miles.rollout.sampling import sample_tokens
 
-# (model, sequences, response lengths) -> (log-probs (B, R), logits (B, R, V)) of the response tokens
-ScoreFn = Callable[[torch.nn.Module, list[list[int]], list[int]], tuple[torch.Tensor, torch.Tensor]]
+# (model, sequences, response lengths, on_logits=sink) -> (log-probs (B, R) of the response tokens, None); the
+# sink gets each micro-batch's logits (start, stop, logits (stop - start, R, V)), which are not kept after it
+ScoreFn = Callable[..., tuple[torch.Tensor, None]]
 
 
 class TrainerComputationVerifier:
@@ -49,15 +50,21 @@ class TrainerComputationVerifier:
         # grows by one a round; more rounds than tokens means the two computations are not stable.
         rounds = sampling.max_new_tokens + 2
         for _ in range(rounds):
-            log_probs, logits = self.score(engine.model, [p + o.token_ids for p, o in zip(prompts, outputs)],
-                                           [len(o.token_ids) for o in outputs])
+            drawn: dict[int, torch.Tensor] = {}
+
+            def draw(start: int, stop: int, logits: torch.Tensor, outputs=outputs) -> None:
+                # One micro-batch's logits at a time: the whole rollout's B x R x V would not fit at scale.
+                for i in range(start, stop):
+                    n = len(outputs[i].token_ids)
+                    drawn[i] = sample_tokens(logits[i - start, :n], sampling, uniforms[i, :n])[0]
+
+            log_probs, _ = self.score(engine.model, [p + o.token_ids for p, o in zip(prompts, outputs)],
+                                      [len(o.token_ids) for o in outputs], on_logits=draw)
             redo = {}
             for i, out in enumerate(outputs):
-                n = len(out.token_ids)
-                drawn, _ = sample_tokens(logits[i, :n], sampling, uniforms[i, :n])
-                mismatch = (drawn.cpu() != torch.tensor(out.token_ids)).nonzero()
+                mismatch = (drawn[i].cpu() != torch.tensor(out.token_ids)).nonzero()
                 if len(mismatch):
-                    redo[i] = (int(mismatch[0]), int(drawn[int(mismatch[0])]))
+                    redo[i] = (int(mismatch[0]), int(drawn[i][int(mismatch[0])]))
             if not redo:
                 return [dataclasses.replace(out, log_probs=log_probs[i, : len(out.token_ids)].tolist(),
                                             redrawn=redrawn[i]) for i, out in enumerate(outputs)]
