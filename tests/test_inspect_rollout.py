@@ -131,6 +131,17 @@ def test_sample_with_bad_values_is_shown(tmp_path, capsys):
                                                                  "loss_mask": 1}
 
 
+def test_a_tokenizer_that_cannot_be_used_is_one_error_line(tmp_path, capsys):
+    """--tokenizer decodes --sample K's tokens: a dir without a tokenizer, or no --sample, is bad input, not a flag
+    silently ignored."""
+    path = write_dump(tmp_path / "d_0.pt")
+    rc, _, err = inspect(capsys, path, "--sample", "1", "--tokenizer", str(tmp_path / "nowhere"))
+    assert rc == 2 and err == [f"error: --tokenizer {tmp_path / 'nowhere'}: no tokenizer files (tokenizer_config.json) "
+                               "there"]
+    rc, _, err = inspect(capsys, path, "--tokenizer", str(tmp_path))
+    assert rc == 2 and err == [f"error: --tokenizer {tmp_path} decodes the tokens of one sample: give --sample K too"]
+
+
 def test_samples_that_are_not_whole_groups(tmp_path, capsys):
     path = write_dump(tmp_path / "d_0.pt", samples=good_samples(n_groups=3, n=1), n=2)
     rc, out, err = inspect(capsys, path)

@@ -42,6 +42,10 @@ def register(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     if Path(args.path).is_dir():  # before the dump reader (and torch) is imported
         raise UsageError(directory_error(Path(args.path)))
+    if args.tokenizer is not None and args.sample is None:
+        raise UsageError(f"--tokenizer {args.tokenizer} decodes the tokens of one sample: give --sample K too")
+    if args.tokenizer is not None and not Path(args.tokenizer, "tokenizer_config.json").is_file():
+        raise UsageError(f"--tokenizer {args.tokenizer}: no tokenizer files (tokenizer_config.json) there")
     from miles.bridge.rollout_dump import plain, read_dump, samples_from_dump, samples_per_prompt, validate_samples
 
     path = Path(args.path)
