@@ -12,6 +12,7 @@ from pathlib import Path
 
 from miles.errors import UsageError
 from miles.rollout.rewards import RM_TYPES  # torch-free: the reward names, without their libraries
+from miles.utils.io import check_model_dir
 
 # Choice lists, torch-free; tests/test_cli.py checks each equals the registry it names.
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus")  # miles.train.advantages.ADVANTAGE_ESTIMATORS
@@ -287,9 +288,8 @@ def validate_train_args(args: argparse.Namespace) -> None:
         raise UsageError("--use-kl-loss needs --kl-loss-coef > 0 (a zero coefficient trains no KL)")
 
     for flag in ("hf_checkpoint", "ref_load"):
-        path = getattr(args, flag)
-        if path is not None and not Path(path, "config.json").is_file():
-            raise UsageError(f"--{flag.replace('_', '-')} {path}: not a Hugging Face model dir (no config.json)")
+        if getattr(args, flag) is not None:
+            check_model_dir(getattr(args, flag), f"--{flag.replace('_', '-')}")
     if args.load is not None and not Path(args.load).is_dir():
         raise UsageError(f"--load {args.load}: no such directory")
     if args.output_dir is None:

@@ -33,7 +33,7 @@ from datetime import datetime
 from pathlib import Path
 
 from miles.errors import UsageError
-from miles.utils.io import atomic_write_bytes, atomic_write_json
+from miles.utils.io import atomic_write_bytes, atomic_write_json, check_model_dir
 
 # (file stem, title, panels: each a list of metric keys drawn on one axis, log y-scale)
 PLOTS = [
@@ -76,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise UsageError(f"RUN_DIR {run_dir} is not a directory")
-    if args.model and not Path(args.model, "config.json").is_file():
-        raise UsageError(f"--model {args.model}: not an HF model dir (no config.json)")
+    if args.model:
+        check_model_dir(args.model, "--model")
     rows = read_metrics(run_dir / "metrics.jsonl")
     config_path = run_dir / "config.json"
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}

@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import socket
-from pathlib import Path
 
 from miles.errors import UsageError
+from miles.utils.io import check_model_dir
 
 ATTENTION_BACKENDS = ("sdpa", "eager", "flash")  # miles.utils.models.ATTENTION_IMPLEMENTATIONS
 
@@ -86,8 +86,8 @@ def validate(args: argparse.Namespace) -> None:
     for flag in ("max_running_requests", "max_total_tokens", "max_queued_requests", "cpu_threads"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
-    if args.hf_checkpoint is not None and not Path(args.hf_checkpoint, "config.json").is_file():
-        raise UsageError(f"--hf-checkpoint {args.hf_checkpoint}: not a Hugging Face model dir (no config.json)")
+    if args.hf_checkpoint is not None:
+        check_model_dir(args.hf_checkpoint, "--hf-checkpoint")
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -72,6 +72,14 @@ def readable_mode(directory: bool = False) -> int:
     return (0o777 if directory else 0o666) & ~umask
 
 
+def check_model_dir(path: str | Path, flag: str) -> None:
+    """A UsageError naming `flag` unless `path` holds a Hugging Face model's config.json."""
+    from miles.errors import UsageError
+
+    if not Path(path, "config.json").is_file():
+        raise UsageError(f"{flag} {path}: not a Hugging Face model dir (no config.json)")
+
+
 def check_writable_dir(path: str | Path, flag: str) -> None:
     """A UsageError naming `flag` unless `path` is a directory this process can write, or could be
     created in one; nothing is left behind."""
