@@ -121,9 +121,11 @@ def render(corpus, findings: list, sigs: list, runs: list = (), facts=None, clos
         if facts.missing() and not any(log.kind == "miles-train" for log in corpus.logs):  # a run dir holds it all
             out.append("Missing, to name a culprit: " + "; ".join(facts.missing()))
         out.append("")
-    if closest is not None and (not findings or all(f.id == "unrecognised_error" for f in findings)):
-        kind = closest.to_dict()["culprit"].split(" (")[0]
-        out.append(f"Closest known failures, not close enough to name a culprit (nearest kind: {kind}):")
+    if closest is not None:  # only made when nothing but an unrecognised error was found
+        from miles.debug.doctor.knowledge import culprits
+
+        out.append(f"Closest known failures, not close enough to name a culprit (nearest kind: "
+                   f"{culprits()[closest.culprit].short_name}):")
         out.extend(f"  {c['url']} ({c['framework']}: {c['title']})" for c in closest.cases)
         out.append("")
     found = [f"`{s.phrase}` ({s.count}x)" for s in sigs if s.count]

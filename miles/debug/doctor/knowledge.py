@@ -26,6 +26,11 @@ class Culprit:
     signals: str  # the words reports of this culprit use: its profile for the retrieval
     scope: str  # what it covers and where its border with its neighbours lies: the labelling rule
 
+    @property
+    def short_name(self) -> str:
+        """The name without its parenthesised examples."""
+        return self.name.split(" (")[0]
+
 
 @dataclass(frozen=True)
 class Case:

@@ -311,7 +311,7 @@ def finding_from(index: CaseIndex, m: Match, lines: list[tuple[str, str]]) -> Fi
     none = next((v for k, v in m.ranked if k is None), float("-inf"))
     also = [k for k, v in [kv for kv in m.ranked if kv[0]][1:3] if v > none]  # runners-up above "none of these"
     if also:
-        culprit += "; also possible: " + ", ".join(culprits()[k].name.split(" (")[0] for k in also)
+        culprit += "; also possible: " + ", ".join(culprits()[k].short_name for k in also)
     return Finding(f"kb_{culprit_id}", symptom, confidence, index.evidence_lines(lines, culprit_id, near), culprit,
                    fix, kb=culprit_id, seen=seen_before(near), also=also)
 
