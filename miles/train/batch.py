@@ -182,8 +182,8 @@ def score_rollout(model, batch: TrainBatch, micro_batch_size: int, temperature: 
             on_logits(start, stop, rows)
         elif with_logits:
             logits.append(rows)
-        del rows
-    return torch.cat(log_probs), (torch.cat(logits) if with_logits and on_logits is None else None)
+        del rows  # else a sink's micro-batch would stay alive through the next one's forward
+    return torch.cat(log_probs), (torch.cat(logits) if logits else None)
 
 
 def score_sequences(model, sequences: list[list[int]], response_lengths: list[int], *, micro_batch_size: int,
