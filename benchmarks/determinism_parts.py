@@ -110,7 +110,9 @@ def _profile_third_calls(out: Path) -> None:
     trainer's train, each under torch's profiler; its table of the largest GPU times goes to OUT/<what>.txt."""
     from torch.profiler import ProfilerActivity, profile
 
+    from miles.rollout.local.batching import ContinuousBatcher
     from miles.rollout.local.engine import LocalEngine
+    from miles.rollout.local.true_on_policy import TrainerComputationVerifier
     from miles.train.trainer import Trainer
 
     def wrap(cls, method: str):
@@ -122,21 +124,41 @@ def _profile_third_calls(out: Path) -> None:
                 return inner(*args, **kwargs)
             import torch
 
+            start = time.perf_counter()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 result = inner(*args, **kwargs)
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
+            wall = time.perf_counter() - start
             events = prof.key_averages()
             busy = sum(e.self_device_time_total for e in events) / 1e6
+            # The host's side too: a call whose GPU idles waits on Python, and the CPU table says on what.
             (out / f"{cls.__name__}.{method}.txt").write_text(
-                f"GPU busy {busy:.3f} s\n" + events.table(sort_by="self_device_time_total", row_limit=25,
-                                                           max_name_column_width=70))
+                f"wall {wall:.3f} s (profiled), GPU busy {busy:.3f} s\n"
+                + events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70)
+                + "\n" + events.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70))
             return result
 
         setattr(cls, method, profiled)
 
+    def label(cls, method: str):  # a range in the CPU table: how much of the call each part is
+        inner = getattr(cls, method)
+
+        def labelled(*args, **kwargs):
+            import torch
+
+            with torch.profiler.record_function(f"## {getattr(cls, '__name__', '')}.{method}"):
+                return inner(*args, **kwargs)
+
+        setattr(cls, method, labelled)
+
+    import miles.loop as loop
+
     wrap(LocalEngine, "generate")
     wrap(Trainer, "train")
+    label(ContinuousBatcher, "decode")
+    label(TrainerComputationVerifier, "verify")
+    label(loop, "score_sequences")  # the check's scoring forward (the loop hands it to the verifier)
 
 
 def one_run(name: str, steps: int, extra: list[str], out: Path, profile: Path | None = None) -> dict:

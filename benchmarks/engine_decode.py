@@ -12,7 +12,9 @@ warm-up at the same batch (which captures the CUDA graphs):
   miles fast compiled the same path with --enable-torch-compile
   Suffixes of a fast* row, on a GPU: `-sdpa` runs its decode attention in SDPA instead of the Triton kernel of
   miles.rollout.local.decode_attention, `-torchdraw` samples with the torch path instead of the device draw
-  (miles.rollout.sampling.DEVICE_DRAW); both: the engine as it was before the two (2026-12-05).
+  (miles.rollout.sampling.DEVICE_DRAW); both: the engine as it was before the two (2026-12-05). `-unfused` runs
+  the decode step's pointwise work in the layer functions instead of miles.rollout.local.decode_fused's kernels
+  (the engine before 2026-12-05's eleventh session).
   miles hf            LocalEngine's HF-forward path (the reference decode loop)
   HF generate         model.generate(do_sample=True), dynamic cache
   HF static compiled  model.generate(cache_implementation="static"), which transformers compiles (--compiled)
@@ -86,7 +88,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rows", default="fast,fast-eager,hf-generate",
-                   help="fast,fast-eager,fast-compiled,miles-hf,hf-generate; fast* rows also with -sdpa, -torchdraw")
+                   help="fast,fast-eager,fast-compiled,miles-hf,hf-generate,hf-static-compiled; fast* rows also with "
+                        "-sdpa, -torchdraw, -unfused")
     p.add_argument("--profile", type=int, default=0, metavar="B",
                    help="profile one fast-eager generate at batch B first: top CUDA kernels")
     p.add_argument("--profile-compiled", action="store_true",
@@ -125,9 +128,10 @@ def main() -> None:
         bound = batch * bandwidth / (weights + batch * mean_len * kv_per_token)
         for row in rows:
             try:
-                kind = row.removesuffix("-torchdraw").removesuffix("-sdpa")
+                kind = row.removesuffix("-unfused").removesuffix("-torchdraw").removesuffix("-sdpa")
                 if kind in engines:
-                    ModelRunner.triton_decode = "-sdpa" not in row  # both read at every decode step
+                    ModelRunner.triton_decode = "-sdpa" not in row  # the three read at every decode step
+                    ModelRunner.fused_decode = "-unfused" not in row
                     sampling_module.DEVICE_DRAW = "-torchdraw" not in row
                     engine = LocalEngine(model, eos_token_ids=[], pad_token_id=0, **engines[kind])
                     fn = lambda: sum(len(o.token_ids) for o in engine.generate(prompts.tolist(), sampling, seeds))  # noqa: E731

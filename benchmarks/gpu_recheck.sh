@@ -12,8 +12,9 @@
 # Stages:
 #   tests           tests/test_invariant.py and the GPU tests of the fast engine and true on-policy (~1.5 min)
 #   sampler         benchmarks/sampler_compiled.py: eager, compiled and batch-invariant draws, 128 x 151,936
-#   decode          benchmarks/engine_decode.py, batch 128 and 512, compiled: as it is, with the torch sampler, and
-#                   also with SDPA decode attention (the engine before 2026-12-05); against HF generate (~5 min)
+#   decode          benchmarks/engine_decode.py, batch 128 and 512, compiled: as it is and with the decode step's
+#                   pointwise work unfused (the engine before the eleventh session); against HF generate (~5 min;
+#                   DECODE_ROWS, DECODE_BATCH and DECODE_LIMIT (s, default 400) change them)
 #   true_on_policy  benchmarks/determinism_parts.py off, true_on_policy, true_on_policy_scored (the trainer scoring
 #                   again, as before 2026-12-05), true_on_policy_stop (~40 s a configuration at 4 steps, ~5 min
 #                   for 2 rounds; TOP_CONFIGS, TOP_STEPS, TOP_REPEATS and
@@ -42,10 +43,10 @@ for s in "${stages[@]}"; do
   case $s in
     tests) stage tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_invariant.py tests/test_gpu.py \
              tests/test_engine.py -k "invariant or cuda_graph or fast_path or fast_bf16 or bf16_run or true_on or \
-             under_the_mode or decode_attention_kernel" ;;
+             under_the_mode or decode_attention_kernel or fused" ;;
     sampler) stage sampler 60 python3 benchmarks/sampler_compiled.py --batch 128 --draws 5 ;;
-    decode) stage decode 400 python3 benchmarks/engine_decode.py --batch 128 512 --repeats 3 \
-              --rows fast-compiled,fast-compiled-torchdraw,fast-compiled-sdpa-torchdraw,hf-generate ;;
+    decode) stage decode "${DECODE_LIMIT:-400}" python3 benchmarks/engine_decode.py --batch ${DECODE_BATCH:-128 512} \
+              --repeats 3 --rows "${DECODE_ROWS:-fast-compiled,fast-compiled-unfused,hf-generate}" ;;
     true_on_policy) stage true_on_policy "${TOP_LIMIT:-300}" python3 benchmarks/determinism_parts.py \
                       --qwen-shape /tmp/q \
                       --steps "${TOP_STEPS:-4}" --repeats "${TOP_REPEATS:-1}" \

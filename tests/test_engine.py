@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from miles.bridge.types import Sample
 from miles.config import SamplingParams
@@ -257,6 +258,63 @@ def test_the_gpus_decode_attention_kernel_attends_to_each_slot_up_to_its_positio
         want = torch.nn.functional.scaled_dot_product_attention(
             q[j].view(kv_heads, group, dim), keys[j, :, :p + 1], values[j, :, :p + 1], scale=0.25)
         torch.testing.assert_close(got[j], want.reshape(-1, dim), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_the_gpus_fused_decode_kernels_compute_what_the_layer_functions_do():
+    """decode_fused's kernels (here in Triton's interpreter, fp32, where there is no GPU; bf16 on one): RMSNorm as HF's
+    RMSNorm, SiLU(gate) * up, RoPE of the queries and keys (the keys and values written at each row's slot and
+    position, nothing else in the cache touched) as the layer functions compute them, in fp32 rounded once."""
+    from miles.rollout.local import decode_fused
+    from miles.rollout.local.runner import _rms_norm, _rotate_half
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter truncates to bf16
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 96, generator=g), torch.rand(96, generator=g) + 0.5
+    x, w = x.to(device, dtype), w.to(device, dtype)
+    torch.testing.assert_close(decode_fused.rms_norm(x, w, 1e-6), _rms_norm(x, w, 1e-6), rtol=0, atol=0)
+    gate_up = torch.randn(5, 2 * 1500, generator=g).to(device, dtype)  # two blocks of columns, the second partial
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    torch.testing.assert_close(decode_fused.silu_and_mul(gate_up), (F.silu(gate) * up).to(dtype), rtol=0, atol=1e-6)
+
+    heads, kv_heads, dim, length, slots = 6, 2, 16, 40, 7
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * dim, generator=g).to(device, dtype)
+    angles = torch.rand(length, 1, dim // 2, generator=g) * 6
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(device, dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(device, dtype)
+    positions = torch.tensor([0, 3, 39, 7, 20], device=device)
+    keys, values = (torch.randn(slots, kv_heads, length, dim, generator=g).to(device, dtype) for _ in range(2))
+    want_keys, want_values = keys.clone(), values.clone()
+    q = decode_fused.rope_and_cache(qkv, cos, sin, positions, keys, values, heads)
+    wq, wk, wv = qkv.float().view(5, heads + 2 * kv_heads, dim).split([heads, kv_heads, kv_heads], dim=1)
+    c, s = cos[positions].float(), sin[positions].float()
+    rows = torch.arange(5, device=device)
+    want_keys[rows, :, positions] = (wk * c + _rotate_half(wk) * s).to(dtype)
+    want_values[rows, :, positions] = wv.to(dtype)
+    torch.testing.assert_close(q, (wq * c + _rotate_half(wq) * s).to(dtype), rtol=0, atol=1e-6)
+    torch.testing.assert_close(keys, want_keys, rtol=0, atol=1e-6)
+    torch.testing.assert_close(values, want_values, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_a_decode_step_in_the_fused_kernels_makes_the_tokens_of_the_layer_functions(tiny_qwen, monkeypatch):
+    """The fast engine's decode steps through decode_fused (forced here, in Triton's interpreter; a GPU's default),
+    on a model with q/k/v biases: the tokens of the layer functions' steps, log-probs within fp32 noise."""
+    from miles.rollout.local import decode_fused
+
+    engine, tok = make_engine(tiny_qwen)
+    engine.runner.pack, engine.runner._head = False, None  # a GPU's weights: not oneDNN's packed layout
+    prompts = [tok(t)["input_ids"] for t in ("hello", "a longer prompt", "x")]
+    u = torch.rand(3, 12, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    want = engine.decode(prompts, sp(12, 1.0, 1.0), u)
+    calls = []
+    monkeypatch.setattr(engine.runner, "_fused_kernels", lambda: calls.append(1) or decode_fused)
+    got = engine.decode(prompts, sp(12, 1.0, 1.0), u)
+    assert calls
+    for a, b in zip(got, want):
+        assert a.token_ids == b.token_ids
+        assert a.log_probs == pytest.approx(b.log_probs, abs=1e-5)
 
 
 def test_sampling_at_a_large_vocabulary_follows_the_reported_distribution():

@@ -257,6 +257,7 @@ class _LayerWeights:
 
 class ModelRunner:
     triton_decode = True  # decode attention on a GPU in decode_attention's kernel; False: SDPA (benchmarks compare)
+    fused_decode = True  # a GPU decode step's pointwise work in decode_fused's kernels; False: the layer functions
 
     def __init__(self, model, *, cuda_graphs: bool = True, compile: bool = False):
         self.model = model
@@ -362,8 +363,9 @@ class ModelRunner:
         return self._post(x, attended.reshape(x.shape[0], -1), o_w, w.biases(cast)[1], w.post_norm, gate_up_w,
                           down_w, eps=self.eps)
 
-    def _lm_head(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.inner.norm(x)
+    def _lm_head(self, x: torch.Tensor, out: torch.Tensor | None = None, norm=None) -> torch.Tensor:
+        """Logits of rows x (N, hidden) after the final norm (the model's module, or `norm` computing the same)."""
+        h = (norm or self.inner.norm)(x)
         head = self.model.lm_head
         if (cast := self._cast()) is not None:  # as autocast computes head(h), from a copy cast once
             made = self._head_cast
@@ -492,8 +494,12 @@ class ModelRunner:
         kernel, mask = self._decode_kernel(), None
         if kernel is None:  # SDPA's (b, 1, 1, Lb) mask, shared by the g queries of each KV head
             mask = (torch.arange(width, device=self.device)[None] <= positions[:, None])[:, None, None, :]
-        cos, sin = self._cos[positions], self._sin[positions]
         x = self.inner.embed_tokens(tokens)  # (b, hidden)
+        if (fused := self._fused_kernels()) is not None:
+            for i in range(self.num_layers):
+                x = self._fused_layer(fused, kernel, i, x, positions, mask, width)
+            return self._lm_head(x, out, norm=lambda h: fused.rms_norm(h, self.inner.norm.weight, self.eps))
+        cos, sin = self._cos[positions], self._sin[positions]
         for i in range(self.num_layers):
             q, _, _ = self._qkv(i, x, cos, sin, rows, positions)
             keys, values = self.cache.keys[i], self.cache.values[i]
@@ -503,6 +509,33 @@ class ModelRunner:
                 attended = self._decode_attention(kernel, q.to(self.dtype), keys, values, positions, mask, width)
             x = self._finish_layer(i, x, attended)
         return self._lm_head(x, out)
+
+    def _fused_kernels(self):
+        """miles.rollout.local.decode_fused where its kernels run this runner's decode step (a GPU, unless `fused_decode`
+        is off; not under --true-on-policy-mode or an autocast over fp32 weights, nor for per-head q/k norms), else
+        None: the layer functions."""
+        if not (self.fused_decode and self.device.type == "cuda") or invariant.enabled() or self._cast() is not None:
+            return None
+        from miles.rollout.local import decode_fused
+
+        if self._weights[0].q_norm is not None or not decode_fused.supported(self.head_dim):
+            return None
+        return decode_fused
+
+    def _fused_layer(self, fused, kernel, i: int, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                     width: int) -> torch.Tensor:
+        """Layer i of a decode step in decode_fused's kernels around the GEMMs, the residual adds in the output and
+        down projections' epilogues; what the layer functions compute, rounded fewer times."""
+        w = self._weights[i]
+        qkv_w, o_w, gate_up_w, down_w = w.projections()
+        qkv_b, o_b = w.biases()
+        keys, values = self.cache.keys[i], self.cache.values[i]
+        qkv = _linear(fused.rms_norm(x, w.norm, self.eps), qkv_w, qkv_b)
+        q = fused.rope_and_cache(qkv, self._cos, self._sin, positions, keys, values, self.q_heads)
+        attended = self._decode_attention(kernel, q.view(x.shape[0], -1), keys, values, positions, mask, width)
+        x = torch.addmm(x if o_b is None else x + o_b, attended.reshape(x.shape[0], -1), o_w.t())
+        gate_up = _linear(fused.rms_norm(x, w.post_norm, self.eps), gate_up_w)
+        return torch.addmm(x, fused.silu_and_mul(gate_up), down_w.t())
 
     def _decode_kernel(self):
         """miles.rollout.local.decode_attention where its kernel runs this runner's cache (a GPU, unless

@@ -1,0 +1,125 @@
+"""The fast engine's decode step on a GPU: Triton kernels for the pointwise work around a layer's GEMMs.
+
+A decode step's layer is four GEMMs, the attention, and the pointwise work between them. Left to torch (or to
+Inductor, which makes each piece its own kernel at dynamic shapes), that work was a third of the GEMMs' time at
+batch 512 on the H100: the SiLU-and-multiply at about a third of copy bandwidth, RoPE apart from the KV-cache
+writes, and the gathers of cos and sin (BENCHMARKS.md, the batch-512 profile). Here each is one kernel, one
+program per token row:
+
+- `rms_norm`: HF's Llama RMSNorm (normalised in fp32, rounded to the input's dtype, then scaled) in one pass.
+- `rope_and_cache`: RoPE of the queries and keys read from the fused q/k/v projection's output, the keys and
+  values written into the slot cache at each row's position, the queries returned; cos and sin read at the
+  position from the runner's tables.
+- `silu_and_mul`: SiLU(gate) * up of the fused gate/up projection's output, rounded once.
+
+The residual adds go into the GEMMs' epilogues (`torch.addmm` with the residual as C). Used by
+ModelRunner._decode_step where it runs: a CUDA GPU (or Triton's interpreter in the tests), not under
+--true-on-policy-mode (whose decode computes exactly what the trainer's ops do), and a model without per-head
+q/k norms. Shapes: N rows (row j decodes slot j), Q query heads, H KV heads, D head dim, F the MLP width.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MLP_BLOCK = 1024  # MLP columns a program
+
+
+def supported(head_dim: int) -> bool:
+    """Whether `rope_and_cache` takes this head dim: a power of two of 4 or more (half of it is a tile's width)."""
+    return head_dim >= 4 and head_dim & (head_dim - 1) == 0
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x (N, hidden) -> weight * (x / rms(x)) as HF's RMSNorm computes it: in fp32, rounded to x's dtype, scaled."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.result_type(x, weight), device=x.device)
+    _rms_norm[(x.shape[0],)](x, weight, out, x.shape[1], x.stride(0), out.stride(0), eps,
+                             BLOCK=triton.next_power_of_2(x.shape[1]))
+    return out
+
+
+def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                   keys: torch.Tensor, values: torch.Tensor, heads: int) -> torch.Tensor:
+    """qkv (N, (Q + 2H) * D), the fused projection's rows; cos and sin (L, 1, D) by position; row j at positions[j]
+    of slot j. Writes the rotated keys and the values into the (S, H, L, D) caches; returns the rotated queries
+    (N, Q, D)."""
+    n, kv_heads, d = qkv.shape[0], keys.shape[1], keys.shape[-1]
+    q = torch.empty(n, heads, d, dtype=qkv.dtype, device=qkv.device)
+    _rope_and_cache[(n,)](qkv, cos, sin, positions, q, keys, values, qkv.stride(0), cos.stride(0),
+                          keys.stride(0), keys.stride(1), keys.stride(2), q.stride(0), q.stride(1), HEADS=heads,
+                          KV_HEADS=kv_heads, QB=triton.next_power_of_2(heads), KB=triton.next_power_of_2(kv_heads),
+                          HALF=d // 2)
+    return q
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up (N, 2F), the fused projection's [gate | up] -> SiLU(gate) * up (N, F), computed in fp32."""
+    n, width = gate_up.shape[0], gate_up.shape[1] // 2
+    gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
+    out = torch.empty(n, width, dtype=gate_up.dtype, device=gate_up.device)
+    _silu_and_mul[(n, triton.cdiv(width, MLP_BLOCK))](gate_up, out, width, gate_up.stride(0), out.stride(0),
+                                                     BLOCK=MLP_BLOCK)
+    return out
+
+
+@triton.jit
+def _rms_norm(x, weight, out, N, s_x, s_o, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < N
+    h = tl.load(x + row * s_x + cols, mask=inside, other=0.0).to(tl.float32)
+    normed = h * tl.math.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+    normed = normed.to(x.dtype.element_ty).to(tl.float32)  # HF rounds to the input's dtype before scaling
+    w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out + row * s_o + cols, (w * normed).to(out.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _rotate(base, heads, d, HALF: tl.constexpr, rows, c1, c2, s1, s2):
+    """The heads `heads` (masked by `rows`) at `base` rotated: (first half, second half), fp32."""
+    x1 = tl.load(base + heads[:, None] * (2 * HALF) + d[None, :], mask=rows[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(base + heads[:, None] * (2 * HALF) + HALF + d[None, :], mask=rows[:, None], other=0.0).to(tl.float32)
+    return x1 * c1[None, :] - x2 * s1[None, :], x2 * c2[None, :] + x1 * s2[None, :]
+
+
+@triton.jit
+def _rope_and_cache(qkv, cos, sin, positions, q, keys, values, s_row, s_pos, s_ks, s_kh, s_kl, s_qn, s_qh,
+                    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
+                    HALF: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions + row)
+    d = tl.arange(0, HALF)
+    c1 = tl.load(cos + pos * s_pos + d).to(tl.float32)
+    c2 = tl.load(cos + pos * s_pos + HALF + d).to(tl.float32)
+    s1 = tl.load(sin + pos * s_pos + d).to(tl.float32)
+    s2 = tl.load(sin + pos * s_pos + HALF + d).to(tl.float32)
+    base = qkv + row * s_row
+    h = tl.arange(0, QB)
+    rows = h < HEADS
+    first, second = _rotate(base, h, d, HALF, rows, c1, c2, s1, s2)
+    at = q + row * s_qn + h[:, None] * s_qh + d[None, :]
+    tl.store(at, first.to(q.dtype.element_ty), mask=rows[:, None])
+    tl.store(at + HALF, second.to(q.dtype.element_ty), mask=rows[:, None])
+    kh = tl.arange(0, KB)
+    kv_rows = kh < KV_HEADS
+    first, second = _rotate(base + HEADS * 2 * HALF, kh, d, HALF, kv_rows, c1, c2, s1, s2)
+    at = row * s_ks + kh[:, None] * s_kh + pos * s_kl + d[None, :]  # slot `row`, its position
+    tl.store(keys + at, first.to(keys.dtype.element_ty), mask=kv_rows[:, None])
+    tl.store(keys + at + HALF, second.to(keys.dtype.element_ty), mask=kv_rows[:, None])
+    v = base + (HEADS + KV_HEADS) * 2 * HALF + kh[:, None] * (2 * HALF) + d[None, :]
+    for half in tl.static_range(2):
+        part = tl.load(v + half * HALF, mask=kv_rows[:, None], other=0.0)
+        tl.store(values + at + half * HALF, part.to(values.dtype.element_ty), mask=kv_rows[:, None])
+
+
+@triton.jit
+def _silu_and_mul(x, out, F, s_x, s_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < F
+    gate = tl.load(x + row * s_x + cols, mask=inside, other=0.0).to(tl.float32)
+    up = tl.load(x + row * s_x + F + cols, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out + row * s_o + cols, (gate * tl.sigmoid(gate) * up).to(out.dtype.element_ty), mask=inside)
