@@ -14,7 +14,9 @@ only attention and its cache:
     Triton kernel (decode_attention.py) reads each slot's keys up to its position, once for the g query heads
     that share a KV head; elsewhere SDPA attends to columns [0, Lb) under a (b, Lb) mask of the positions,
     the g query heads as g queries of one head (GQA reads each cached key once). On a GPU each (b, Lb)
-    bucket's step is captured once in a CUDA graph and replayed; its logits land in one shared buffer.
+    bucket's step is captured once in a CUDA graph and replayed; its logits land in one shared buffer, and
+    the step's pointwise work (norms, RoPE with the cache writes, SiLU-and-multiply) runs in decode_fused.py's
+    Triton kernels instead of the layer functions below.
 
 Each layer runs as two functions of tensors, `_pre_attention` (norm, one fused q/k/v projection,
 RoPE, the keys and values written into the cache) and `_post_attention` (output projection,

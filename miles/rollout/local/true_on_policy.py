@@ -49,23 +49,29 @@ class TrainerComputationVerifier:
         # Each round fixes at least the first disagreeing token of every row, so the agreed prefix
         # grows by one a round; more rounds than tokens means the two computations are not stable.
         rounds = sampling.max_new_tokens + 2
+        on_device = uniforms.to(engine.device)  # once: a copy per draw would wait for the forward before it
         for _ in range(rounds):
-            drawn: dict[int, torch.Tensor] = {}
+            drawn: list[torch.Tensor] = []
 
-            def draw(start: int, stop: int, logits: torch.Tensor, outputs=outputs) -> None:
-                # One micro-batch's logits at a time: the whole rollout's B x R x V would not fit at scale.
-                for i in range(start, stop):
-                    n = len(outputs[i].token_ids)
-                    drawn[i] = sample_tokens(logits[i - start, :n], sampling, uniforms[i, :n])[0]
+            def draw(start: int, stop: int, logits: torch.Tensor) -> None:
+                # One micro-batch's logits at a time: the whole rollout's B x R x V would not fit at scale. Every
+                # position is drawn in one call (a row's draw never depends on the others'); those past a
+                # response's end are dropped below.
+                rows, width, vocab = logits.shape
+                tokens = sample_tokens(logits.reshape(-1, vocab), sampling, on_device[start:stop, :width].reshape(-1))[0]
+                drawn.append(tokens.view(rows, width))
 
             log_probs, _ = self.score(engine.model, [p + o.token_ids for p, o in zip(prompts, outputs)],
                                       [len(o.token_ids) for o in outputs], on_logits=draw)
+            tokens = torch.cat(drawn).cpu()  # (B, R): the host waits once, after the last micro-batch
             redo = {}
             for i, out in enumerate(outputs):
-                mismatch = (drawn[i].cpu() != torch.tensor(out.token_ids)).nonzero()
+                n = len(out.token_ids)
+                mismatch = (tokens[i, :n] != torch.tensor(out.token_ids)).nonzero()
                 if len(mismatch):
-                    redo[i] = (int(mismatch[0]), int(drawn[i][int(mismatch[0])]))
+                    redo[i] = (int(mismatch[0]), int(tokens[i, int(mismatch[0])]))
             if not redo:
+                log_probs = log_probs.cpu()
                 return [dataclasses.replace(out, log_probs=log_probs[i, : len(out.token_ids)].tolist(),
                                             redrawn=redrawn[i]) for i, out in enumerate(outputs)]
             for i in redo:
