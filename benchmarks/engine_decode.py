@@ -186,6 +186,24 @@ def profile(model, config, args, sampling) -> None:
         print(f"profile batch {batch}, graphs {graphs}, compiled {args.profile_compiled}: wall {wall:.3f} s "
               f"(profiled), GPU busy {gpu:.3f} s, {launches} kernels", flush=True)
         print(events.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60), flush=True)
+        print(idle_gaps(prof), flush=True)
+
+
+def idle_gaps(prof) -> str:
+    """Where the GPU waited in a profiled call: the gaps between its kernels (us), summed by size, and the largest
+    with their offset from the first kernel: a gap every few steps is the host's check, a long one its work."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA")
+    if not spans:
+        return "no GPU kernels recorded"
+    gaps, end = [], spans[0][1]
+    for start, stop in spans[1:]:
+        if start > end:
+            gaps.append((start - end, end - spans[0][0]))
+        end = max(end, stop)
+    by_size = {f">{lo} us": sum(g for g, _ in gaps if g > lo) / 1e3 for lo in (5, 50, 500)}
+    largest = ", ".join(f"{g / 1e3:.2f} ms at {at / 1e3:.1f} ms" for g, at in sorted(gaps, reverse=True)[:10])
+    return (f"GPU idle between kernels: {sum(g for g, _ in gaps) / 1e3:.1f} ms of {(end - spans[0][0]) / 1e3:.1f} ms; "
+            f"in gaps {', '.join(f'{k}: {v:.1f} ms' for k, v in by_size.items())}; largest: {largest}")
 
 
 if __name__ == "__main__":

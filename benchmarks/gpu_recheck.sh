@@ -41,7 +41,7 @@ stage() {  # NAME LIMIT_S COMMAND...
 
 for s in "${stages[@]}"; do
   case $s in
-    tests) stage tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_invariant.py tests/test_gpu.py \
+    tests) stage tests "${TESTS_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_invariant.py tests/test_gpu.py \
              tests/test_engine.py -k "invariant or cuda_graph or fast_path or fast_bf16 or bf16_run or true_on or \
              under_the_mode or decode_attention_kernel or fused" ;;
     sampler) stage sampler 60 python3 benchmarks/sampler_compiled.py --batch 128 --draws 5 ;;

@@ -270,13 +270,18 @@ def test_the_gpus_fused_decode_kernels_compute_what_the_layer_functions_do():
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter truncates to bf16
+    # fp32 in the interpreter: equal to fp32 rounding; bf16 on a GPU: a sum's order may move a value by one bf16 step
+    close = dict(rtol=0, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-6)
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(5, 96, generator=g), torch.rand(96, generator=g) + 0.5
-    x, w = x.to(device, dtype), w.to(device, dtype)
-    torch.testing.assert_close(decode_fused.rms_norm(x, w, 1e-6), _rms_norm(x, w, 1e-6), rtol=0, atol=0)
+    x, w, residual = x.to(device, dtype), w.to(device, dtype), torch.randn(5, 96, generator=g).to(device, dtype)
+    torch.testing.assert_close(decode_fused.rms_norm(x, w, 1e-6), _rms_norm(x, w, 1e-6), **close)
+    summed = x + residual
+    torch.testing.assert_close(decode_fused.rms_norm(x, w, 1e-6, residual), _rms_norm(summed, w, 1e-6), **close)
+    torch.testing.assert_close(x, summed, rtol=0, atol=0)  # the residual stream, added in place as torch adds
     gate_up = torch.randn(5, 2 * 1500, generator=g).to(device, dtype)  # two blocks of columns, the second partial
     gate, up = gate_up.float().chunk(2, dim=-1)
-    torch.testing.assert_close(decode_fused.silu_and_mul(gate_up), (F.silu(gate) * up).to(dtype), rtol=0, atol=1e-6)
+    torch.testing.assert_close(decode_fused.silu_and_mul(gate_up), (F.silu(gate) * up).to(dtype), **close)
 
     heads, kv_heads, dim, length, slots = 6, 2, 16, 40, 7
     qkv = torch.randn(5, (heads + 2 * kv_heads) * dim, generator=g).to(device, dtype)
@@ -292,24 +297,32 @@ def test_the_gpus_fused_decode_kernels_compute_what_the_layer_functions_do():
     rows = torch.arange(5, device=device)
     want_keys[rows, :, positions] = (wk * c + _rotate_half(wk) * s).to(dtype)
     want_values[rows, :, positions] = wv.to(dtype)
-    torch.testing.assert_close(q, (wq * c + _rotate_half(wq) * s).to(dtype), rtol=0, atol=1e-6)
-    torch.testing.assert_close(keys, want_keys, rtol=0, atol=1e-6)
+    torch.testing.assert_close(q, (wq * c + _rotate_half(wq) * s).to(dtype), **close)
+    torch.testing.assert_close(keys, want_keys, **close)
     torch.testing.assert_close(values, want_values, rtol=0, atol=0)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 def test_a_decode_step_in_the_fused_kernels_makes_the_tokens_of_the_layer_functions(tiny_qwen, monkeypatch):
-    """The fast engine's decode steps through decode_fused (forced here, in Triton's interpreter; a GPU's default),
-    on a model with q/k/v biases: the tokens of the layer functions' steps, log-probs within fp32 noise."""
+    """The fast engine's decode steps through decode_fused (a GPU's default, in fp32 there; forced here, in Triton's
+    interpreter, where there is none), on a model with q/k/v biases: the tokens of the layer functions' steps (the
+    runner's `fused_decode` off), log-probs within fp32 noise."""
     from miles.rollout.local import decode_fused
 
-    engine, tok = make_engine(tiny_qwen)
-    engine.runner.pack, engine.runner._head = False, None  # a GPU's weights: not oneDNN's packed layout
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tok = load_tokenizer(tiny_qwen)
+    model = load_causal_lm(tiny_qwen, device=device, attention_backend="sdpa")
+    engine = LocalEngine(model, eos_token_ids=eos_token_ids(model, tok), pad_token_id=tok.pad_token_id)
     prompts = [tok(t)["input_ids"] for t in ("hello", "a longer prompt", "x")]
     u = torch.rand(3, 12, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    monkeypatch.setattr(engine.runner, "fused_decode", False)
     want = engine.decode(prompts, sp(12, 1.0, 1.0), u)
-    calls = []
-    monkeypatch.setattr(engine.runner, "_fused_kernels", lambda: calls.append(1) or decode_fused)
+    monkeypatch.setattr(engine.runner, "fused_decode", True)
+    calls, fused = [], decode_fused.silu_and_mul
+    monkeypatch.setattr(decode_fused, "silu_and_mul", lambda *a: calls.append(1) or fused(*a))
+    if device == "cpu":
+        monkeypatch.setattr(engine.runner, "_fused_kernels", lambda: decode_fused)
+    engine.runner.release()  # graphs captured without the kernels go
     got = engine.decode(prompts, sp(12, 1.0, 1.0), u)
     assert calls
     for a, b in zip(got, want):

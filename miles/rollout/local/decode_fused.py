@@ -6,13 +6,14 @@ batch 512 on the H100: the SiLU-and-multiply at about a third of copy bandwidth,
 writes, and the gathers of cos and sin (BENCHMARKS.md, the batch-512 profile). Here each is one kernel, one
 program per token row:
 
-- `rms_norm`: HF's Llama RMSNorm (normalised in fp32, rounded to the input's dtype, then scaled) in one pass.
+- `rms_norm`: HF's Llama RMSNorm (normalised in fp32, rounded to the input's dtype, then scaled) in one pass; with a
+  `residual`, the residual add before it too (x + residual rounded as torch's add rounds, written into x).
 - `rope_and_cache`: RoPE of the queries and keys read from the fused q/k/v projection's output, the keys and
   values written into the slot cache at each row's position, the queries returned; cos and sin read at the
   position from the runner's tables.
 - `silu_and_mul`: SiLU(gate) * up of the fused gate/up projection's output, rounded once.
 
-The residual adds go into the GEMMs' epilogues (`torch.addmm` with the residual as C). Used by
+The residual adds go into the next norm's kernel (an `addmm` with the residual as C copied it first). Used by
 ModelRunner._decode_step where it runs: a CUDA GPU (or Triton's interpreter in the tests), not under
 --true-on-policy-mode (whose decode computes exactly what the trainer's ops do), and a model without per-head
 q/k norms. Shapes: N rows (row j decodes slot j), Q query heads, H KV heads, D head dim, F the MLP width.
@@ -32,12 +33,15 @@ def supported(head_dim: int) -> bool:
     return head_dim >= 4 and head_dim & (head_dim - 1) == 0
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x (N, hidden) -> weight * (x / rms(x)) as HF's RMSNorm computes it: in fp32, rounded to x's dtype, scaled."""
-    x = x if x.stride(-1) == 1 else x.contiguous()
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x (N, hidden) -> weight * (x / rms(x)) as HF's RMSNorm computes it: in fp32, rounded to x's dtype, scaled.
+    With `residual` (N, hidden), x += residual first, in place (rounded to x's dtype), and the sum is normalised."""
+    if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
+        raise ValueError("rms_norm takes rows with contiguous columns")
     out = torch.empty(x.shape, dtype=torch.result_type(x, weight), device=x.device)
-    _rms_norm[(x.shape[0],)](x, weight, out, x.shape[1], x.stride(0), out.stride(0), eps,
-                             BLOCK=triton.next_power_of_2(x.shape[1]))
+    _rms_norm[(x.shape[0],)](x, residual if residual is not None else x, weight, out, x.shape[1], x.stride(0),
+                             residual.stride(0) if residual is not None else 0, out.stride(0), eps,
+                             ADD=residual is not None, BLOCK=triton.next_power_of_2(x.shape[1]))
     return out
 
 
@@ -66,11 +70,16 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rms_norm(x, weight, out, N, s_x, s_o, eps, BLOCK: tl.constexpr):
+def _rms_norm(x, residual, weight, out, N, s_x, s_r, s_o, eps, ADD: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < N
-    h = tl.load(x + row * s_x + cols, mask=inside, other=0.0).to(tl.float32)
+    h = tl.load(x + row * s_x + cols, mask=inside, other=0.0)
+    if ADD:  # the residual stream's add, rounded to its dtype as torch's add rounds it
+        h = (h.to(tl.float32) + tl.load(residual + row * s_r + cols, mask=inside, other=0.0).to(tl.float32))
+        h = h.to(x.dtype.element_ty)
+        tl.store(x + row * s_x + cols, h, mask=inside)
+    h = h.to(tl.float32)
     normed = h * tl.math.rsqrt(tl.sum(h * h, axis=0) / N + eps)
     normed = normed.to(x.dtype.element_ty).to(tl.float32)  # HF rounds to the input's dtype before scaling
     w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)

@@ -498,9 +498,10 @@ class ModelRunner:
             mask = (torch.arange(width, device=self.device)[None] <= positions[:, None])[:, None, None, :]
         x = self.inner.embed_tokens(tokens)  # (b, hidden)
         if (fused := self._fused_kernels()) is not None:
+            delta = None  # the last layer's output, not yet added to the residual stream x
             for i in range(self.num_layers):
-                x = self._fused_layer(fused, kernel, i, x, positions, mask, width)
-            return self._lm_head(x, out, norm=lambda h: fused.rms_norm(h, self.inner.norm.weight, self.eps))
+                delta = self._fused_layer(fused, kernel, i, x, delta, positions, mask, width)
+            return self._lm_head(x, out, norm=lambda h: fused.rms_norm(h, self.inner.norm.weight, self.eps, delta))
         cos, sin = self._cos[positions], self._sin[positions]
         for i in range(self.num_layers):
             q, _, _ = self._qkv(i, x, cos, sin, rows, positions)
@@ -524,20 +525,21 @@ class ModelRunner:
             return None
         return decode_fused
 
-    def _fused_layer(self, fused, kernel, i: int, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                     width: int) -> torch.Tensor:
-        """Layer i of a decode step in decode_fused's kernels around the GEMMs, the residual adds in the output and
-        down projections' epilogues; what the layer functions compute, rounded fewer times."""
+    def _fused_layer(self, fused, kernel, i: int, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
+                     mask: torch.Tensor | None, width: int) -> torch.Tensor:
+        """Layer i of a decode step in decode_fused's kernels around the GEMMs: the residual stream x (b, hidden) gets
+        the last layer's output `delta` (None before the first) and this layer's attention added in place, each in the
+        norm's kernel after it; returns this layer's MLP output (b, hidden), what the layer functions compute."""
         w = self._weights[i]
         qkv_w, o_w, gate_up_w, down_w = w.projections()
         qkv_b, o_b = w.biases()
         keys, values = self.cache.keys[i], self.cache.values[i]
-        qkv = _linear(fused.rms_norm(x, w.norm, self.eps), qkv_w, qkv_b)
+        qkv = _linear(fused.rms_norm(x, w.norm, self.eps, delta), qkv_w, qkv_b)
         q = fused.rope_and_cache(qkv, self._cos, self._sin, positions, keys, values, self.q_heads)
         attended = self._decode_attention(kernel, q.view(x.shape[0], -1), keys, values, positions, mask, width)
-        x = torch.addmm(x if o_b is None else x + o_b, attended.reshape(x.shape[0], -1), o_w.t())
-        gate_up = _linear(fused.rms_norm(x, w.post_norm, self.eps), gate_up_w)
-        return torch.addmm(x, fused.silu_and_mul(gate_up), down_w.t())
+        attention_out = _linear(attended.reshape(x.shape[0], -1), o_w, o_b)
+        gate_up = _linear(fused.rms_norm(x, w.post_norm, self.eps, attention_out), gate_up_w)
+        return _linear(fused.silu_and_mul(gate_up), down_w)
 
     def _decode_kernel(self):
         """miles.rollout.local.decode_attention where its kernel runs this runner's cache (a GPU, unless
