@@ -131,7 +131,8 @@ def _profile_third_calls(out: Path) -> None:
                     torch.cuda.synchronize()
             wall = time.perf_counter() - start
             events = prof.key_averages()
-            busy = sum(e.self_device_time_total for e in events) / 1e6
+            # (the "## " ranges below are annotations: the profiler gives them their range's device time)
+            busy = sum(e.self_device_time_total for e in events if not e.key.startswith("## ")) / 1e6
             # The host's side too: a call whose GPU idles waits on Python, and the CPU table says on what.
             (out / f"{cls.__name__}.{method}.txt").write_text(
                 f"wall {wall:.3f} s (profiled), GPU busy {busy:.3f} s\n"
