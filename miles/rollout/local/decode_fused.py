@@ -1,10 +1,10 @@
 """The fast engine's decode step on a GPU: Triton kernels for the pointwise work around a layer's GEMMs.
 
-A decode step's layer is four GEMMs, the attention, and the pointwise work between them. Left to torch (or to
-Inductor, which makes each piece its own kernel at dynamic shapes), that work was a third of the GEMMs' time at
-batch 512 on the H100: the SiLU-and-multiply at about a third of copy bandwidth, RoPE apart from the KV-cache
-writes, and the gathers of cos and sin (BENCHMARKS.md, the batch-512 profile). Here each is one kernel, one
-program per token row:
+A decode step's layer is four GEMMs, the attention, and the pointwise work between them. In the layer functions
+(compiled by Inductor, at dynamic shapes) the SiLU-and-multiply and RoPE alone took 16% of a batch-512 step's GPU
+time on the H100 against the GEMMs' 27%, at about a third of copy bandwidth, with the KV-cache writes and the
+cos/sin gathers as kernels of their own. Here each piece is one kernel, one program per token row (+14% tok/s at
+batch 512 and +20% at batch 128 on the H200; BENCHMARKS.md):
 
 - `rms_norm`: HF's Llama RMSNorm (normalised in fp32, rounded to the input's dtype, then scaled) in one pass; with a
   `residual`, the residual add before it too (x + residual rounded as torch's add rounds, written into x).
@@ -13,7 +13,7 @@ program per token row:
   position from the runner's tables.
 - `silu_and_mul`: SiLU(gate) * up of the fused gate/up projection's output, rounded once.
 
-The residual adds go into the next norm's kernel (an `addmm` with the residual as C copied it first). Used by
+The residual adds go into the next norm's kernel. Used by
 ModelRunner._decode_step where it runs: a CUDA GPU (or Triton's interpreter in the tests), not under
 --true-on-policy-mode (whose decode computes exactly what the trainer's ops do), and a model without per-head
 q/k norms. Shapes: N rows (row j decodes slot j), Q query heads, H KV heads, D head dim, F the MLP width.

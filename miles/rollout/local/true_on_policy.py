@@ -54,16 +54,15 @@ class TrainerComputationVerifier:
             drawn: list[torch.Tensor] = []
 
             def draw(start: int, stop: int, logits: torch.Tensor) -> None:
-                # One micro-batch's logits at a time: the whole rollout's B x R x V would not fit at scale. Every
-                # position is drawn in one call (a row's draw never depends on the others'); those past a
-                # response's end are dropped below.
-                rows, width, vocab = logits.shape
-                tokens = sample_tokens(logits.reshape(-1, vocab), sampling, on_device[start:stop, :width].reshape(-1))[0]
-                drawn.append(tokens.view(rows, width))
+                # One micro-batch's logits at a time: the whole rollout's B x R x V would not fit at scale. A row's
+                # positions past its response's end are drawn too and dropped below; nothing waits for the device.
+                width = logits.shape[1]
+                drawn.extend(sample_tokens(logits[j], sampling, on_device[start + j, :width])[0]
+                             for j in range(stop - start))
 
             log_probs, _ = self.score(engine.model, [p + o.token_ids for p, o in zip(prompts, outputs)],
                                       [len(o.token_ids) for o in outputs], on_logits=draw)
-            tokens = torch.cat(drawn).cpu()  # (B, R): the host waits once, after the last micro-batch
+            tokens = torch.stack(drawn).cpu()  # (B, R): the host waits once, after the last micro-batch
             redo = {}
             for i, out in enumerate(outputs):
                 n = len(out.token_ids)
