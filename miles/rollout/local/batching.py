@@ -169,30 +169,31 @@ class _Call:
         batch = bucket(occupied[-1] + 1, self.runner.buckets)
         longest = max(self.bound[s] for s in occupied)
         logits = self.runner.decode(batch, self.last[:batch], self.pos[:batch], longest)
-        self._advance(torch.arange(batch, device=self.b.device), logits)
+        self._advance(slice(0, batch), logits)
         for s in occupied:
             self.bound[s] = min(self.bound[s] + 1, self.runner.cache.length)
         self.step_count += 1
         if self.progress is not None:  # tokens of the longest row: the prefill's first one and a step's each
             self.progress(min(self.step_count + 1, self.steps))
 
-    def _advance(self, slots: torch.Tensor, logits: torch.Tensor) -> None:
-        """Samples the next token of each slot in `slots` from its logits (k, V) and updates its state;
-        finished and free slots write only to the absorbing row and column."""
+    def _advance(self, slots: torch.Tensor | slice, logits: torch.Tensor) -> None:
+        """Samples the next token of each slot in `slots` (an index tensor, or a decode step's slice of the lowest
+        slots, whose state is then read and updated as views: no gather or scatter kernels) from its logits (k, V)
+        and updates its state; finished and free slots write only to the absorbing row and column."""
         live = ~self.done[slots]
         req, made = self.req[slots], self.made[slots]
         tok, logp = self.b.sample(logits, self.sampling, self.uniforms[req, made])
-        tok = tok.masked_fill(~live, self.b.pad_token_id)
+        tok = torch.where(live, tok, self.b.pad_token_id)
         col = torch.where(live, made, self.steps)
         self.tokens[req, col] = tok
         self.log_probs[req, col] = logp
-        hit = (tok[:, None] == self.b.eos).any(-1) & live
-        made = made + live
+        hit = torch.isin(tok, self.b.eos) & live
+        made = made + live  # a new tensor: `made` was a view of self.made for a slice
         self.made[slots] = made
-        self.pos[slots] = self.pos[slots] + live
+        self.pos[slots] += live
         self.last[slots] = tok
-        self.stopped[slots] = self.stopped[slots] | hit
-        self.done[slots] = self.done[slots] | hit | (made >= self.limit[req])
+        self.stopped[slots] |= hit
+        self.done[slots] |= hit | (made >= self.limit[req])
 
     def collect(self, weight_version) -> list[GenerationOutput]:
         made, stopped = self.made_of[: self.n].tolist(), self.stopped_of[: self.n].tolist()
