@@ -492,7 +492,6 @@ class ModelRunner:
 
     def _decode_step(self, batch: int, width: int, tokens: torch.Tensor, positions: torch.Tensor,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-        rows = torch.arange(batch, device=self.device)
         kernel, mask = self._decode_kernel(), None
         if kernel is None:  # SDPA's (b, 1, 1, Lb) mask, shared by the g queries of each KV head
             mask = (torch.arange(width, device=self.device)[None] <= positions[:, None])[:, None, None, :]
@@ -502,7 +501,7 @@ class ModelRunner:
             for i in range(self.num_layers):
                 delta = self._fused_layer(fused, kernel, i, x, delta, positions, mask, width)
             return self._lm_head(x, out, norm=lambda h: fused.rms_norm(h, self.inner.norm.weight, self.eps, delta))
-        cos, sin = self._cos[positions], self._sin[positions]
+        cos, sin, rows = self._cos[positions], self._sin[positions], torch.arange(batch, device=self.device)
         for i in range(self.num_layers):
             q, _, _ = self._qkv(i, x, cos, sin, rows, positions)
             keys, values = self.cache.keys[i], self.cache.values[i]
