@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from miles.errors import UsageError
+
 
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
@@ -74,8 +76,6 @@ def readable_mode(directory: bool = False) -> int:
 
 def check_model_dir(path: str | Path, flag: str) -> None:
     """A UsageError naming `flag` unless `path` holds a Hugging Face model's config.json."""
-    from miles.errors import UsageError
-
     if not Path(path, "config.json").is_file():
         raise UsageError(f"{flag} {path}: not a Hugging Face model dir (no config.json)")
 
@@ -83,8 +83,6 @@ def check_model_dir(path: str | Path, flag: str) -> None:
 def check_writable_dir(path: str | Path, flag: str) -> None:
     """A UsageError naming `flag` unless `path` is a directory this process can write, or could be
     created in one; nothing is left behind."""
-    from miles.errors import UsageError
-
     path = Path(path).absolute()
     probe = path
     while not probe.exists():
