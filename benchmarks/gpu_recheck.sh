@@ -16,8 +16,8 @@
 #   decode          benchmarks/engine_decode.py, batch 128 and 512, compiled: as it is and with the decode step's
 #                   pointwise work unfused (the engine before the eleventh session); against HF generate (~5 min;
 #                   DECODE_ROWS, DECODE_BATCH and DECODE_LIMIT (s, default 400) change them)
-#   true_on_policy  benchmarks/determinism_parts.py off, true_on_policy, true_on_policy_scored (the trainer scoring
-#                   again, as before 2026-12-05), true_on_policy_stop (~40 s a configuration at 4 steps, ~5 min
+#   true_on_policy  benchmarks/determinism_parts.py off, true_on_policy (the default check: stop on a GPU),
+#                   true_on_policy_rescore (the engine's scoring pass) (~40 s a configuration at 4 steps, ~5 min
 #                   for 2 rounds; TOP_CONFIGS, TOP_STEPS, TOP_REPEATS and
 #                   TOP_LIMIT (s, default 300) change them; TOP_PROFILE=1 profiles the first round's step 3, left out
 #                   of its mean)
@@ -51,7 +51,7 @@ for s in "${stages[@]}"; do
     true_on_policy) stage true_on_policy "${TOP_LIMIT:-300}" python3 benchmarks/determinism_parts.py \
                       --qwen-shape /tmp/q \
                       --steps "${TOP_STEPS:-4}" --repeats "${TOP_REPEATS:-1}" \
-                      --configs "${TOP_CONFIGS:-off,true_on_policy,true_on_policy_scored,true_on_policy_stop}" --rollout-batch-size 8 \
+                      --configs "${TOP_CONFIGS:-off,true_on_policy,true_on_policy_rescore}" --rollout-batch-size 8 \
                       --n-samples-per-prompt 8 --rollout-max-response-len 256 --micro-batch-size 8 \
                       ${TOP_PROFILE:+--profile "$out/profiles"} ;;
     profile) stage profile 240 python3 benchmarks/engine_decode.py --batch 512 --repeats 1 --rows fast-compiled \

@@ -169,7 +169,8 @@ class DebugConfig:
     true_on_policy_mode: bool
     """The engine samples from the trainer's own computation."""
     true_on_policy_check: str = "rescore"
-    """rescore (each rollout scored by the trainer's computation) | stop (no such pass; a step that differs stops)."""
+    """rescore (each rollout scored by the trainer's computation) | stop (no such pass; a step that differs stops);
+    --true-on-policy-check auto is resolved to one of them by the device (miles.cli.train.resolve_device)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,6 +7,7 @@ in bf16 that re-draws nothing."""
 
 import contextlib
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -239,13 +240,13 @@ def test_enable_routes_only_cuda_ops_and_disable_puts_torchs_back():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bf16_true_on_policy_run_redraws_nothing(tiny_args):
-    """The engine decodes what the trainer computes: every rollout passes the check in its first round, and
-    the log-probs it reports are the trainer's."""
+    """--true-on-policy-check rescore: the engine decodes what the trainer computes, so every rollout passes the
+    check's scoring pass in its first round, and the log-probs it reports are the trainer's."""
     from test_train import metrics, run
 
     try:
-        rows = metrics(run(tiny_args, "--true-on-policy-mode", "--device", "cuda", "--precision", "bf16",
-                           "--num-rollout", "3", "--rollout-max-response-len", "48"))
+        rows = metrics(run(tiny_args, "--true-on-policy-mode", "--true-on-policy-check", "rescore", "--device",
+                           "cuda", "--precision", "bf16", "--num-rollout", "3", "--rollout-max-response-len", "48"))
     finally:
         invariant.disable()
     assert len(rows) == 3
@@ -260,17 +261,19 @@ def test_bf16_true_on_policy_run_redraws_nothing(tiny_args):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bf16_engine_log_probs_are_the_trainers_without_the_check(tiny_args):
-    """--true-on-policy-check stop: no scoring pass, the engine reports the log-probs of its own draw; the loop stops
-    a run where they are not the trainer's bit for bit. With the kernels doing their job, no step stops."""
+    """--true-on-policy-check stop, the default on a GPU: no scoring pass, the engine reports the log-probs of its own
+    draw; the loop stops a run where they are not the trainer's bit for bit. With the kernels doing their job, no
+    step stops."""
     from test_train import metrics, run
 
     try:
-        rows = metrics(run(tiny_args, "--true-on-policy-mode", "--true-on-policy-check", "stop", "--device", "cuda",
-                           "--precision", "bf16", "--num-rollout", "3", "--rollout-max-response-len", "48",
-                           "--rollout-temperature", "0.8"))
+        out = run(tiny_args, "--true-on-policy-mode", "--device", "cuda", "--precision", "bf16", "--num-rollout", "3",
+                  "--rollout-max-response-len", "48", "--rollout-temperature", "0.8")
+        rows = metrics(out)
     finally:
         invariant.disable()
     assert len(rows) == 3
+    assert json.loads((out / "config.json").read_text())["true_on_policy_check"] == "stop"  # auto's choice
     assert not any("rollout/true_on_policy_redrawn" in r for r in rows)  # no rollout went through the scoring pass
     # step 1's trainer scoring (the alignment check), then each step's training forward, against the engine's
     assert all(r["forward_logp_max_diff"] == 0.0 == r["train/recompute_logp_max_diff"] for r in rows)

@@ -1,13 +1,13 @@
 """--true-on-policy-mode: the engine's log-probs are the trainer's, bit for bit, and every token was
 sampled from exactly those probabilities."""
 
+import argparse
+import contextlib
+import functools
 import json
 
 import pytest
 import torch
-
-import functools
-import contextlib
 
 from miles.rollout.local import LocalEngine
 from miles.rollout.local.true_on_policy import TrainerComputationVerifier
@@ -166,6 +166,19 @@ def test_the_stop_check_is_a_setting_of_the_mode(tiny_args, capsys):
 
     assert main(tiny_args + ["--true-on-policy-check", "stop"]) == 2
     assert "--true-on-policy-check stop is how --true-on-policy-mode checks its rollouts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device, mode, want", [("cuda", True, "stop"), ("cpu", True, "rescore"),
+                                                ("cuda", False, "rescore")])
+def test_the_check_is_chosen_by_the_device(device, mode, want, monkeypatch):
+    """--true-on-policy-check auto (the default): stop on a GPU, whose kernels make the engine compute the trainer's
+    numbers (the training forward is the check), rescore on a CPU; resolved before config.json is written."""
+    from miles.cli.train import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = argparse.Namespace(device=device, precision=None, true_on_policy_mode=mode, true_on_policy_check="auto")
+    resolve_device(args)
+    assert args.true_on_policy_check == want
 
 
 def test_a_step_whose_log_probs_are_not_the_trainers_stops_the_run():

@@ -57,6 +57,10 @@ def resolve_device(args: argparse.Namespace) -> None:
         raise UsageError("--device cuda: no CUDA device is available")
     if args.precision is None:
         args.precision = "bf16" if args.device == "cuda" else "fp32"
+    if args.true_on_policy_check == "auto":
+        # On a GPU the engine's decode runs the trainer's batch-invariant kernels, so its log-probs are the training
+        # forward's by construction and that forward checks them; on a CPU they may differ in the last bits.
+        args.true_on_policy_check = "stop" if args.device == "cuda" and args.true_on_policy_mode else "rescore"
 
 
 PATH_FLAGS = ("hf_checkpoint", "ref_load", "load", "save", "output_dir", "prompt_data", "save_debug_rollout_data",

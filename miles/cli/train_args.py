@@ -230,11 +230,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--true-on-policy-mode", action="store_true",
                    help="the engine samples from exactly the trainer's computation: engine and trainer log-probs "
                         "equal bitwise (needs --rollout-top-p 1)")
-    g.add_argument("--true-on-policy-check", choices=("rescore", "stop"), default="rescore",
-                   help="with --true-on-policy-mode: rescore (default) scores each rollout with the trainer's "
-                        "computation and re-draws a token drawn across a rounding boundary; stop skips that pass (on "
-                        "a GPU its kernels make the engine compute the trainer's numbers) and stops the run at a "
-                        "step where the engine's log-probs are not the trainer's bit for bit")
+    g.add_argument("--true-on-policy-check", choices=("auto", "rescore", "stop"), default="auto",
+                   help="with --true-on-policy-mode: stop (auto's choice on a GPU, whose batch-invariant kernels make "
+                        "the engine compute the trainer's numbers) reports the engine's log-probs and stops the run at "
+                        "a step where the training forward's are not the same bit for bit; rescore (auto's choice on "
+                        "a CPU) scores each rollout with the trainer's computation and re-draws a token drawn across "
+                        "a rounding boundary")
     g.add_argument("--debug-determinism", action="store_true",
                    help="write per-step hashes (tokens, log-probs, rewards, loss, gradients, parameters) to hashes.jsonl")
 
