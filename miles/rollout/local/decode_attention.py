@@ -95,7 +95,7 @@ def _decode_attention(q, keys, values, positions, out, stats, partial, s_qb, s_q
         at = (slot * tl.num_programs(1) + head) * tl.num_programs(2) + part
         tl.store(stats + at * 2 * G + r, m)
         tl.store(stats + at * 2 * G + G + r, total)
-        tl.store(partial + at * G * D + r[:, None] * D + d[None, :], acc, mask=rows[:, None])  # the group's rows
+        tl.store(partial + at * G * D + r[:, None] * D + d[None, :], acc)
     else:
         tl.store(out + slot * s_ob + (head * group + r)[:, None] * s_oh + d[None, :],
                  (acc / total[:, None]).to(out.dtype.element_ty), mask=rows[:, None])
@@ -108,7 +108,6 @@ def _combine(positions, stats, partial, out, s_ob, s_oh, group, parts, D: tl.con
     slot, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     r = tl.arange(0, G)
     d = tl.arange(0, D)
-    rows = r < group
     m = tl.full((G,), float("-inf"), tl.float32)
     total = tl.zeros((G,), tl.float32)
     acc = tl.zeros((G, D), tl.float32)
@@ -119,8 +118,7 @@ def _combine(positions, stats, partial, out, s_ob, s_oh, group, parts, D: tl.con
         m_new = tl.maximum(m, m_part)
         alpha, beta = tl.exp(m - m_new), tl.exp(m_part - m_new)
         total = total * alpha + tl.load(stats + at * 2 * G + G + r) * beta
-        part_acc = tl.load(partial + at * G * D + r[:, None] * D + d[None, :], mask=rows[:, None], other=0.0)
-        acc = acc * alpha[:, None] + part_acc * beta[:, None]
+        acc = acc * alpha[:, None] + tl.load(partial + at * G * D + r[:, None] * D + d[None, :]) * beta[:, None]
         m = m_new
     tl.store(out + slot * s_ob + (head * group + r)[:, None] * s_oh + d[None, :],
-             (acc / total[:, None]).to(out.dtype.element_ty), mask=rows[:, None])
+             (acc / total[:, None]).to(out.dtype.element_ty), mask=r[:, None] < group)
