@@ -14,8 +14,7 @@ warm-up at the same batch (which captures the CUDA graphs):
   miles.rollout.local.decode_attention, `-torchdraw` samples with the torch path instead of the device draw
   (miles.rollout.sampling.DEVICE_DRAW); both: the engine as it was before the two (2026-12-05). `-unfused` runs
   the decode step's pointwise work in the layer functions instead of miles.rollout.local.decode_fused's kernels
-  (the engine before 2026-12-05's eleventh session). `-onepass` reads each slot's cached columns in one program
-  of the decode attention instead of chunks (the engine before the twelfth session).
+  (the engine before 2026-12-05's eleventh session).
   miles hf            LocalEngine's HF-forward path (the reference decode loop)
   HF generate         model.generate(do_sample=True), dynamic cache
   HF static compiled  model.generate(cache_implementation="static"), which transformers compiles (--compiled)
@@ -90,7 +89,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rows", default="fast,fast-eager,hf-generate",
                    help="fast,fast-eager,fast-compiled,miles-hf,hf-generate,hf-static-compiled; fast* rows also with "
-                        "-sdpa, -torchdraw, -unfused, -onepass")
+                        "-sdpa, -torchdraw, -unfused")
     p.add_argument("--profile", type=int, default=0, metavar="B",
                    help="profile one fast-eager generate at batch B first: top CUDA kernels")
     p.add_argument("--profile-compiled", action="store_true",
@@ -119,7 +118,6 @@ def main() -> None:
     if args.compiled:
         rows.append("hf-static-compiled")
     results: dict[tuple[str, int], list[float]] = {}
-    chunk = ModelRunner.decode_chunk
     if args.profile:
         profile(model, config, args, sampling)
     for batch in args.batch:
@@ -130,12 +128,9 @@ def main() -> None:
         bound = batch * bandwidth / (weights + batch * mean_len * kv_per_token)
         for row in rows:
             try:
-                kind = row
-                for suffix in ("-onepass", "-unfused", "-torchdraw", "-sdpa"):
-                    kind = kind.removesuffix(suffix)
+                kind = row.removesuffix("-unfused").removesuffix("-torchdraw").removesuffix("-sdpa")
                 if kind in engines:
-                    ModelRunner.triton_decode = "-sdpa" not in row  # the four read at every decode step
-                    ModelRunner.decode_chunk = 0 if "-onepass" in row else chunk
+                    ModelRunner.triton_decode = "-sdpa" not in row  # the three read at every decode step
                     ModelRunner.fused_decode = "-unfused" not in row
                     sampling_module.DEVICE_DRAW = "-torchdraw" not in row
                     engine = LocalEngine(model, eos_token_ids=[], pad_token_id=0, **engines[kind])

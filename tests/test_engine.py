@@ -241,12 +241,10 @@ def test_without_graphs_a_decode_step_runs_at_its_live_rows_count(tiny_model):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
-@pytest.mark.parametrize("chunk", [0, 64, 128])
-def test_the_gpus_decode_attention_kernel_attends_to_each_slot_up_to_its_position(chunk):
+def test_the_gpus_decode_attention_kernel_attends_to_each_slot_up_to_its_position():
     """The fast engine's decode attention on a GPU (miles.rollout.local.decode_attention; here in Triton's interpreter
     where there is no GPU): each slot's query heads attend to its own cached columns [0, position], as SDPA over
-    that slot alone does; a group of 3 query heads a KV head (a tile of 16 rows), positions at block edges; in one
-    pass a slot (chunk 0) and split in chunks of 64 or 128 columns whose partial softmaxes are combined."""
+    that slot alone does; a group of 3 query heads a KV head (a tile of 16 rows), positions at block edges."""
     from miles.rollout.local.decode_attention import decode_attention
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -255,7 +253,7 @@ def test_the_gpus_decode_attention_kernel_attends_to_each_slot_up_to_its_positio
     keys, values = (torch.randn(7, kv_heads, length, dim, generator=g).to(device) for _ in range(2))  # 7 slots
     q = torch.randn(5, kv_heads * group, dim, generator=g).to(device)  # slots 0..4 decode
     positions = torch.tensor([0, 63, 64, 130, 199], device=device)
-    got = decode_attention(q, keys, values, positions, 0.25, chunk=chunk)
+    got = decode_attention(q, keys, values, positions, 0.25)
     for j, p in enumerate(positions.tolist()):
         want = torch.nn.functional.scaled_dot_product_attention(
             q[j].view(kv_heads, group, dim), keys[j, :, :p + 1], values[j, :, :p + 1], scale=0.25)

@@ -12,9 +12,8 @@ only attention and its cache:
     prompts share (a chat template's system prompt) is computed once too, the rest attending to it;
   - decode: one token for each of slots [0, b), attending to columns [0, position] of its slot. On a GPU a
     Triton kernel (decode_attention.py) reads each slot's keys up to its position, once for the g query heads
-    that share a KV head, in chunks of columns whose partial softmaxes a second kernel combines; elsewhere SDPA
-    attends to columns [0, Lb) under a (b, Lb) mask of the positions, the g query heads as g queries of one head
-    (GQA reads each cached key once). On a GPU each (b, Lb)
+    that share a KV head; elsewhere SDPA attends to columns [0, Lb) under a (b, Lb) mask of the positions,
+    the g query heads as g queries of one head (GQA reads each cached key once). On a GPU each (b, Lb)
     bucket's step is captured once in a CUDA graph and replayed; its logits land in one shared buffer, and
     the step's pointwise work (norms, RoPE with the cache writes, SiLU-and-multiply) runs in decode_fused.py's
     Triton kernels instead of the layer functions below.
@@ -261,7 +260,6 @@ class _LayerWeights:
 class ModelRunner:
     triton_decode = True  # decode attention on a GPU in decode_attention's kernel; False: SDPA (benchmarks compare)
     fused_decode = True  # a GPU decode step's pointwise work in decode_fused's kernels; False: the layer functions
-    decode_chunk = 128  # cached columns a program of decode_attention's kernel reads; 0: a slot in one program
 
     def __init__(self, model, *, cuda_graphs: bool = True, compile: bool = False):
         self.model = model
@@ -559,7 +557,7 @@ class ModelRunner:
         batch = q.shape[0]
         if kernel is not None:
             return kernel.decode_attention(q.view(batch, self.q_heads, self.head_dim), keys, values, positions,
-                                           self.scaling, width, self.decode_chunk)
+                                           self.scaling)
         grouped = q.view(batch, self.kv_heads, self.group, self.head_dim)  # (b, H, g, D)
         return F.scaled_dot_product_attention(grouped, keys[:batch, :, :width], values[:batch, :, :width],
                                               attn_mask=mask, scale=self.scaling)
