@@ -23,14 +23,16 @@ on-device digest, over a Qwen2.5-0.5B-shaped set of tensors (494M parameters):
 Configurations: `off`; each part of miles.debug.determinism.PARTS alone; `fill_memory` (torch's
 NaN fill of uninitialised memory, which the mode used to leave on); `mode` (--deterministic-mode);
 `mode_4mib` (the mode with CUBLAS_WORKSPACE_CONFIG=:4096:8 set at launch, which the mode then keeps:
-4 MiB cuBLAS workspaces, and torch parsing the variable at every GEMM); `mode_before` (the mode as it was: fill on); `strict` (torch.use_deterministic_algorithms(True)
-without warn_only, which makes flash / memory-efficient SDPA backwards deterministic, so no math
-kernel; float cumsum on CUDA raises under it); `hashes` (--deterministic-mode --debug-determinism); `true_on_policy` (--true-on-policy-mode, its check chosen by the device: `stop` on a GPU since
-2026-12-05's twelfth session, `rescore` on a CPU); `true_on_policy_rescore` (--true-on-policy-check rescore: the
-engine scores each rollout with the trainer's computation and re-draws a disagreeing token); `true_on_policy_stop`
-(--true-on-policy-check stop: no scoring pass of each rollout; the run stops if the engine's log-probs are not the
-trainer's bit for bit); `true_on_policy_scored` and `true_on_policy_stop_scored` (rescore and stop with
---no-use-rollout-logprobs: the trainer scores every rollout again, as the mode did before 2026-12-05).
+4 MiB cuBLAS workspaces, and torch parsing the variable at every GEMM); `mode_before` (the mode as it was:
+fill on); `strict` (torch.use_deterministic_algorithms(True) without warn_only, which makes flash /
+memory-efficient SDPA backwards deterministic, so no math kernel; float cumsum on CUDA raises under it);
+`hashes` (--deterministic-mode --debug-determinism); `true_on_policy` (--true-on-policy-mode, its check chosen
+by the device: `stop` on a GPU since 2026-12-05's twelfth session, `rescore` on a CPU);
+`true_on_policy_rescore` (--true-on-policy-check rescore: the engine scores each rollout with the trainer's
+computation and re-draws a disagreeing token); `true_on_policy_stop` (--true-on-policy-check stop: no scoring
+pass of each rollout; the run stops if the engine's log-probs are not the trainer's bit for bit);
+`true_on_policy_scored` and `true_on_policy_stop_scored` (rescore and stop with --no-use-rollout-logprobs: the
+trainer scores every rollout again, as the mode did before 2026-12-05).
 """
 
 from __future__ import annotations

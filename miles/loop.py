@@ -500,8 +500,9 @@ def build_engine(path, tokenizer, cfg: Configs, *, weight_version: int, closers:
     # Its decode steps replay the autocast's casts in CUDA graphs, so it casts without a cache.
     engine_autocast = functools.partial(mixed_precision, model_cfg.precision, model_cfg.device, cache=False)
     if cfg.debug.true_on_policy_check == "stop":
-        logger.info("--true-on-policy-mode, --true-on-policy-check stop: the engine reports its own log-probs, no "
-                    "scoring pass; a step where they are not the trainer's bit for bit stops the run")
+        logger.info("--true-on-policy-mode, --true-on-policy-check stop (auto's choice on a GPU): the engine reports "
+                    "its own log-probs, no scoring pass; a step where they are not the trainer's bit for bit stops "
+                    "the run")
         return LocalEngine(model, eos_token_ids=eos_token_ids(model, tokenizer), autocast=engine_autocast, **common)
     autocast = functools.partial(mixed_precision, model_cfg.precision, model_cfg.device)
     score = functools.partial(score_sequences, micro_batch_size=cfg.train.micro_batch_size,
