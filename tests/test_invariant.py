@@ -287,3 +287,80 @@ def test_padded_layout_is_refused_on_a_gpu(tiny_args, capsys):
     assert main(tiny_args + ["--true-on-policy-mode", "--device", "cuda", "--qkv-format", "bshd"]) == 2
     assert "drop --qkv-format bshd" in capsys.readouterr().err
     assert not invariant.enabled()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_under_the_mode_the_fused_decode_step_computes_the_layer_functions_bits(tiny_qwen, monkeypatch):
+    """--true-on-policy-mode's decode (fp32 weights under bf16 autocast, the batch-invariant kernels) through
+    decode_fused's norms and RoPE: the tokens and log-probs of the layer functions' steps, bit for bit (the engine's
+    log-probs must stay the trainer's)."""
+    import functools
+
+    from miles.rollout.local import LocalEngine, decode_fused
+    from miles.train.trainer import mixed_precision
+    from miles.utils.models import eos_token_ids, load_causal_lm, load_tokenizer
+    from test_engine import sp
+
+    tok = load_tokenizer(tiny_qwen)
+    model = load_causal_lm(tiny_qwen, dtype=torch.float32, device="cuda", attention_backend="sdpa")
+    engine = LocalEngine(model, eos_token_ids=eos_token_ids(model, tok), pad_token_id=tok.pad_token_id,
+                         autocast=functools.partial(mixed_precision, "bf16", "cuda", cache=False))
+    prompts = [tok(t)["input_ids"] for t in ("hello", "a longer prompt", "x", "what is seven plus two?")] * 3
+    u = torch.rand(len(prompts), 40, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    calls, rope = [], decode_fused.rope_and_cache
+    monkeypatch.setattr(decode_fused, "rope_and_cache", lambda *a: calls.append(1) or rope(*a))
+    invariant.enable()
+    try:
+        with engine.autocast():  # as LocalEngine.generate decodes
+            monkeypatch.setattr(engine.runner, "fused_decode", False)
+            want = engine.decode(prompts, sp(40, 1.0, 1.0), u)
+            assert not calls
+            monkeypatch.setattr(engine.runner, "fused_decode", True)
+            engine.runner.release()  # graphs captured without the kernels go
+            got = engine.decode(prompts, sp(40, 1.0, 1.0), u)
+    finally:
+        invariant.disable()
+    assert calls and engine.runner._graphs
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.log_probs for o in got] == [o.log_probs for o in want]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("piece", ["norm", "norm_after_add", "rope"])
+def test_under_the_mode_the_fused_norm_and_rope_are_the_layer_functions_bits(piece):
+    """decode_fused's RMSNorm (alone, and after the residual add) and RoPE with the cache writes, at the Qwen2.5-0.5B
+    widths, on fp32 rows and bf16 projections as the mode has them: the bits of the layer functions' torch ops with
+    the batch-invariant mean."""
+    from miles.rollout.local import decode_fused
+    from miles.rollout.local.runner import _rms_norm, _rotate_half
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, hidden, heads, kv_heads, d = 64, 896, 14, 2, 64
+    invariant.enable()
+    try:
+        if piece.startswith("norm"):
+            x = torch.randn(n, hidden, device="cuda", generator=g) * 3
+            weight = torch.rand(hidden, device="cuda", generator=g) + 0.5
+            residual = torch.randn(n, hidden, device="cuda", generator=g).bfloat16() if piece != "norm" else None
+            want_x = x + residual if residual is not None else x
+            want = _rms_norm(want_x, weight, 1e-6).bfloat16()  # what the autocast casts for the projection
+            got = decode_fused.rms_norm(x, weight, 1e-6, residual, torch.bfloat16)
+            assert torch.equal(x, want_x)  # the residual stream, added in place
+        else:
+            qkv = torch.randn(n, (heads + 2 * kv_heads) * d, device="cuda", generator=g).bfloat16()
+            angles = torch.rand(512, 1, d, device="cuda", generator=g) * 6
+            cos, sin = angles.cos(), angles.sin()
+            positions = torch.randint(0, 512, (n,), device="cuda", generator=g)
+            keys, values = (torch.zeros(n, kv_heads, 512, d, device="cuda") for _ in range(2))
+            q, k, v = qkv.view(n, heads + 2 * kv_heads, d).split([heads, kv_heads, kv_heads], dim=1)
+            c, s = cos[positions], sin[positions]
+            want = q * c + _rotate_half(q) * s
+            want_k = k * c + _rotate_half(k) * s
+            got = decode_fused.rope_and_cache(qkv, cos, sin, positions, keys, values, heads)
+            assert torch.equal(keys[torch.arange(n), :, positions], want_k)
+            assert torch.equal(values[torch.arange(n), :, positions], v.float())
+    finally:
+        invariant.disable()
+    assert got.dtype == want.dtype and torch.equal(got, want), (got.float() - want.float()).abs().max()

@@ -26,6 +26,9 @@ import triton
 import triton.language as tl
 
 MLP_BLOCK = 1024  # MLP columns a program
+# Each product rounded before it is added, as torch's separate kernels round it (no fused multiply-add): with this,
+# `rms_norm` and `rope_and_cache` compute the bits of the layer functions' ops, which --true-on-policy-mode needs.
+EXACT = dict(enable_fp_fusion=False)
 
 
 def supported(head_dim: int) -> bool:
@@ -33,15 +36,20 @@ def supported(head_dim: int) -> bool:
     return head_dim >= 4 and head_dim & (head_dim - 1) == 0
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x (N, hidden) -> weight * (x / rms(x)) as HF's RMSNorm computes it: in fp32, rounded to x's dtype, scaled.
-    With `residual` (N, hidden), x += residual first, in place (rounded to x's dtype), and the sum is normalised."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x (N, hidden) -> weight * (x / rms(x)) as HF's RMSNorm computes it: in fp32, rounded to x's dtype, scaled;
+    returned in `dtype` (default: torch's promotion of x and weight; an autocast's dtype rounds as its cast would).
+    With `residual` (N, hidden), x += residual first, in place (rounded to x's dtype), and the sum is normalised.
+    The mean square is the square of each column rounded, summed as miles.utils.invariant's row mean sums (the same
+    block, so the same order), divided by the width: the bits of torch's ops under --true-on-policy-mode."""
     if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
         raise ValueError("rms_norm takes rows with contiguous columns")
-    out = torch.empty(x.shape, dtype=torch.result_type(x, weight), device=x.device)
+    out = torch.empty(x.shape, dtype=dtype or torch.result_type(x, weight), device=x.device)
     _rms_norm[(x.shape[0],)](x, residual if residual is not None else x, weight, out, x.shape[1], x.stride(0),
                              residual.stride(0) if residual is not None else 0, out.stride(0), eps,
-                             ADD=residual is not None, BLOCK=triton.next_power_of_2(x.shape[1]))
+                             ADD=residual is not None, BLOCK=max(16, triton.next_power_of_2(x.shape[1])),
+                             **EXACT)
     return out
 
 
@@ -51,11 +59,11 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
     of slot j. Writes the rotated keys and the values into the (S, H, L, D) caches; returns the rotated queries
     (N, Q, D)."""
     n, kv_heads, d = qkv.shape[0], keys.shape[1], keys.shape[-1]
-    q = torch.empty(n, heads, d, dtype=qkv.dtype, device=qkv.device)
+    q = torch.empty(n, heads, d, dtype=torch.result_type(qkv, cos), device=qkv.device)  # as q * cos promotes
     _rope_and_cache[(n,)](qkv, cos, sin, positions, q, keys, values, qkv.stride(0), cos.stride(0),
                           keys.stride(0), keys.stride(1), keys.stride(2), q.stride(0), q.stride(1), HEADS=heads,
                           KV_HEADS=kv_heads, QB=triton.next_power_of_2(heads), KB=triton.next_power_of_2(kv_heads),
-                          HALF=d // 2)
+                          HALF=d // 2, **EXACT)
     return q
 
 
@@ -77,10 +85,12 @@ def _rms_norm(x, residual, weight, out, N, s_x, s_r, s_o, eps, ADD: tl.constexpr
     h = tl.load(x + row * s_x + cols, mask=inside, other=0.0)
     if ADD:  # the residual stream's add, rounded to its dtype as torch's add rounds it
         h = (h.to(tl.float32) + tl.load(residual + row * s_r + cols, mask=inside, other=0.0).to(tl.float32))
-        h = h.to(x.dtype.element_ty)
-        tl.store(x + row * s_x + cols, h, mask=inside)
+        tl.store(x + row * s_x + cols, h.to(x.dtype.element_ty), mask=inside)
+        tl.debug_barrier()
+        # read back: the sum below then reduces a row laid out as row_mean's load lays it out, so in its order
+        h = tl.load(x + row * s_x + cols, mask=inside, other=0.0)
     h = h.to(tl.float32)
-    normed = h * tl.math.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+    normed = h * tl.math.rsqrt(tl.sum(h * h, axis=0) / N + eps)  # miles.utils.invariant_kernels.row_mean's sum
     normed = normed.to(x.dtype.element_ty).to(tl.float32)  # HF rounds to the input's dtype before scaling
     w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
     tl.store(out + row * s_o + cols, (w * normed).to(out.dtype.element_ty), mask=inside)

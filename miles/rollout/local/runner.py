@@ -500,23 +500,20 @@ class ModelRunner:
             delta = None  # the last layer's output, not yet added to the residual stream x
             for i in range(self.num_layers):
                 delta = self._fused_layer(fused, kernel, i, x, delta, positions, mask, width)
-            return self._lm_head(x, out, norm=lambda h: fused.rms_norm(h, self.inner.norm.weight, self.eps, delta))
+            return self._lm_head(x, out, norm=lambda h: fused.rms_norm(h, self.inner.norm.weight, self.eps, delta,
+                                                                        self._cast()))
         cos, sin, rows = self._cos[positions], self._sin[positions], torch.arange(batch, device=self.device)
         for i in range(self.num_layers):
             q, _, _ = self._qkv(i, x, cos, sin, rows, positions)
-            keys, values = self.cache.keys[i], self.cache.values[i]
-            if invariant.enabled() and q.is_cuda:  # --true-on-policy-mode: what the trainer's attention computes
-                attended = invariant.slot_attention(q, keys, values, positions, self.scaling)
-            else:
-                attended = self._decode_attention(kernel, q.to(self.dtype), keys, values, positions, mask, width)
+            attended = self._decode_attention(kernel, q, self.cache.keys[i], self.cache.values[i], positions, mask,
+                                              width)
             x = self._finish_layer(i, x, attended)
         return self._lm_head(x, out)
 
     def _fused_kernels(self):
         """miles.rollout.local.decode_fused where its kernels run this runner's decode step (a GPU, unless `fused_decode`
-        is off; not under --true-on-policy-mode or an autocast over fp32 weights, nor for per-head q/k norms), else
-        None: the layer functions."""
-        if not (self.fused_decode and self.device.type == "cuda") or invariant.enabled() or self._cast() is not None:
+        is off; not for per-head q/k norms), else None: the layer functions."""
+        if not (self.fused_decode and self.device.type == "cuda"):
             return None
         from miles.rollout.local import decode_fused
 
@@ -528,16 +525,23 @@ class ModelRunner:
                      mask: torch.Tensor | None, width: int) -> torch.Tensor:
         """Layer i of a decode step in decode_fused's kernels around the GEMMs: the residual stream x (b, hidden) gets
         the last layer's output `delta` (None before the first) and this layer's attention added in place, each in the
-        norm's kernel after it; returns this layer's MLP output (b, hidden), what the layer functions compute."""
-        w = self._weights[i]
-        qkv_w, o_w, gate_up_w, down_w = w.projections()
-        qkv_b, o_b = w.biases()
+        norm's kernel after it; returns this layer's MLP output (b, hidden), what the layer functions compute.
+
+        Under --true-on-policy-mode (fp32 weights, bf16 autocast, the batch-invariant kernels) the norms and RoPE
+        compute the layer functions' bits (decode_fused.EXACT), each norm returning what the autocast would cast it
+        to; the SiLU-and-multiply stays torch's two ops, whose rounding a kernel of its own would not repeat."""
+        w, cast = self._weights[i], self._cast()
+        qkv_w, o_w, gate_up_w, down_w = w.projections(cast)
+        qkv_b, o_b = w.biases(cast)
         keys, values = self.cache.keys[i], self.cache.values[i]
-        qkv = _linear(fused.rms_norm(x, w.norm, self.eps, delta), qkv_w, qkv_b)
+        qkv = _linear(fused.rms_norm(x, w.norm, self.eps, delta, cast), qkv_w, qkv_b)
         q = fused.rope_and_cache(qkv, self._cos, self._sin, positions, keys, values, self.q_heads)
-        attended = self._decode_attention(kernel, q.view(x.shape[0], -1), keys, values, positions, mask, width)
+        attended = self._decode_attention(kernel, q, keys, values, positions, mask, width)
         attention_out = _linear(attended.reshape(x.shape[0], -1), o_w, o_b)
-        gate_up = _linear(fused.rms_norm(x, w.post_norm, self.eps, attention_out), gate_up_w)
+        gate_up = _linear(fused.rms_norm(x, w.post_norm, self.eps, attention_out, cast), gate_up_w)
+        if invariant.enabled():
+            gate, up = gate_up.chunk(2, dim=-1)
+            return _linear(F.silu(gate) * up, down_w)
         return _linear(fused.silu_and_mul(gate_up), down_w)
 
     def _decode_kernel(self):
@@ -551,10 +555,14 @@ class ModelRunner:
 
     def _decode_attention(self, kernel, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                           positions: torch.Tensor, mask: torch.Tensor | None, width: int) -> torch.Tensor:
-        """Decode attention of slots [0, b)'s queries q (b, Q * D): in the `_decode_kernel` KERNEL, which reads each
-        slot only up to its position; without one, SDPA over the width bucket under the (b, 1, 1, Lb) mask, the
-        g query heads of a KV head as g queries of one head."""
+        """Decode attention of slots [0, b)'s queries q (b, Q, D): under --true-on-policy-mode what the trainer's
+        attention computes; else in the `_decode_kernel` KERNEL, which reads each slot only up to its position;
+        without one, SDPA over the width bucket under the (b, 1, 1, Lb) mask, the g query heads of a KV head as g
+        queries of one head."""
         batch = q.shape[0]
+        if invariant.enabled() and q.is_cuda:
+            return invariant.slot_attention(q, keys, values, positions, self.scaling)
+        q = q.to(self.dtype)
         if kernel is not None:
             return kernel.decode_attention(q.view(batch, self.q_heads, self.head_dim), keys, values, positions,
                                            self.scaling)
