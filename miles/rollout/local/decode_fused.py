@@ -42,7 +42,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     returned in `dtype` (default: torch's promotion of x and weight; an autocast's dtype rounds as its cast would).
     With `residual` (N, hidden), x += residual first, in place (rounded to x's dtype), and the sum is normalised.
     The mean square is the square of each column rounded, summed as miles.utils.invariant's row mean sums (the same
-    block, so the same order), divided by the width: the bits of torch's ops under --true-on-policy-mode."""
+    block, so the same order), divided by the width: without `residual`, the bits of torch's ops under
+    --true-on-policy-mode (with it the sum runs in another order: some outputs were one bf16 step off on the H100)."""
     if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
         raise ValueError("rms_norm takes rows with contiguous columns")
     out = torch.empty(x.shape, dtype=dtype or torch.result_type(x, weight), device=x.device)
@@ -85,10 +86,8 @@ def _rms_norm(x, residual, weight, out, N, s_x, s_r, s_o, eps, ADD: tl.constexpr
     h = tl.load(x + row * s_x + cols, mask=inside, other=0.0)
     if ADD:  # the residual stream's add, rounded to its dtype as torch's add rounds it
         h = (h.to(tl.float32) + tl.load(residual + row * s_r + cols, mask=inside, other=0.0).to(tl.float32))
-        tl.store(x + row * s_x + cols, h.to(x.dtype.element_ty), mask=inside)
-        tl.debug_barrier()
-        # read back: the sum below then reduces a row laid out as row_mean's load lays it out, so in its order
-        h = tl.load(x + row * s_x + cols, mask=inside, other=0.0)
+        h = h.to(x.dtype.element_ty)
+        tl.store(x + row * s_x + cols, h, mask=inside)
     h = h.to(tl.float32)
     normed = h * tl.math.rsqrt(tl.sum(h * h, axis=0) / N + eps)  # miles.utils.invariant_kernels.row_mean's sum
     normed = normed.to(x.dtype.element_ty).to(tl.float32)  # HF rounds to the input's dtype before scaling
