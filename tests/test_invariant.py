@@ -8,6 +8,7 @@ in bf16 that re-draws nothing."""
 import contextlib
 import importlib.util
 import json
+import re
 
 import pytest
 import torch
@@ -330,9 +331,9 @@ def test_under_the_mode_the_fused_decode_step_computes_the_layer_functions_bits(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("piece", ["norm", "rope"])
 def test_under_the_mode_the_fused_norm_and_rope_are_the_layer_functions_bits(piece):
-    """decode_fused's RMSNorm (without its residual add, as the mode runs it) and RoPE with the cache writes, at the
-    Qwen2.5-0.5B widths, on fp32 rows and bf16 projections as the mode has them: the bits of the layer functions'
-    torch ops with the batch-invariant mean. (With the add in the kernel, 1 bf16 step off at some outputs.)"""
+    """decode_fused's RMSNorm (fp32 out, without its residual add, as the mode runs it) and RoPE with the cache
+    writes, at the Qwen2.5-0.5B widths, on fp32 rows and bf16 projections as the mode has them: the bits of the layer
+    functions' torch ops with the batch-invariant mean, compared in fp32 (a bf16 result would hide a sum's order)."""
     from miles.rollout.local import decode_fused
     from miles.rollout.local.runner import _rms_norm, _rotate_half
 
@@ -343,8 +344,8 @@ def test_under_the_mode_the_fused_norm_and_rope_are_the_layer_functions_bits(pie
         if piece == "norm":
             x = torch.randn(n, hidden, device="cuda", generator=g) * 3
             weight = torch.rand(hidden, device="cuda", generator=g) + 0.5
-            want = _rms_norm(x, weight, 1e-6).bfloat16()  # what the autocast casts for the projection
-            got = decode_fused.rms_norm(x, weight, 1e-6, None, torch.bfloat16)
+            want = _rms_norm(x, weight, 1e-6)
+            got = decode_fused.rms_norm(x, weight, 1e-6)
         else:
             qkv = torch.randn(n, (heads + 2 * kv_heads) * d, device="cuda", generator=g).bfloat16()
             angles = torch.rand(512, 1, d, device="cuda", generator=g) * 6
@@ -361,3 +362,20 @@ def test_under_the_mode_the_fused_norm_and_rope_are_the_layer_functions_bits(pie
     finally:
         invariant.disable()
     assert got.dtype == want.dtype and torch.equal(got, want), (got.float() - want.float()).abs().max()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_the_fused_norm_sums_a_row_in_the_invariant_row_means_order():
+    """Compiled for sm_90 here (no GPU needed): the fused RMSNorm, as --true-on-policy-mode runs it (fp32 out, no
+    residual add), reduces a row laid out as the invariant row mean lays it out, so its sum runs in the trainer's
+    order; with a bf16 output the layout differs (another order), which is why the mode keeps fp32."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "benchmarks" / "triton_layouts.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True, env=env).stdout
+    assert re.search(r"fp32 out, no residual add: .*\(same order\)", out), out
+    assert re.search(r"bf16 out, no residual add: .*\(another order\)", out), out

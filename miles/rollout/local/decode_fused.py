@@ -41,9 +41,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     """x (N, hidden) -> weight * (x / rms(x)) as HF's RMSNorm computes it: in fp32, rounded to x's dtype, scaled;
     returned in `dtype` (default: torch's promotion of x and weight; an autocast's dtype rounds as its cast would).
     With `residual` (N, hidden), x += residual first, in place (rounded to x's dtype), and the sum is normalised.
-    The mean square is the square of each column rounded, summed as miles.utils.invariant's row mean sums (the same
-    block, so the same order), divided by the width: without `residual`, the bits of torch's ops under
-    --true-on-policy-mode (with it the sum runs in another order: some outputs were one bf16 step off on the H100)."""
+    The mean square is the square of each column rounded, summed over the same block as miles.utils.invariant's row
+    mean, divided by the width. Without `residual` and in fp32 (`dtype` None over fp32 rows and weight) Triton lays
+    the row out as the row mean's, so the sum runs in its order and the result has the bits of torch's ops under
+    --true-on-policy-mode; a bf16 residual or output gives eight columns a thread instead of four, another order
+    (benchmarks/triton_layouts.py)."""
     if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
         raise ValueError("rms_norm takes rows with contiguous columns")
     out = torch.empty(x.shape, dtype=dtype or torch.result_type(x, weight), device=x.device)

@@ -547,11 +547,15 @@ class ModelRunner:
 
     def _fused_norm(self, fused, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
                     dtype: torch.dtype | None) -> torch.Tensor:
-        """decode_fused.rms_norm of x after x += residual, in the norm's kernel; under --true-on-policy-mode the add
-        is torch's own first (the kernel's sum after its add is not in the trainer's order)."""
-        if invariant.enabled() and residual is not None:
-            x.add_(residual)
-            residual = None
+        """decode_fused.rms_norm of x after x += residual, in the norm's kernel, returned in `dtype` (the autocast's).
+        Under --true-on-policy-mode the add is torch's own and the norm is returned in fp32 for the autocast to cast:
+        only then does Triton lay the kernel's row out as the invariant row mean's (four columns a thread, not eight:
+        a bf16 store or a bf16 residual changes it), so that it sums the squares in the trainer's order
+        (benchmarks/triton_layouts.py shows the layouts)."""
+        if invariant.enabled():
+            if residual is not None:
+                x.add_(residual)
+            return fused.rms_norm(x, weight, self.eps)
         return fused.rms_norm(x, weight, self.eps, residual, dtype)
 
     def _decode_kernel(self):
