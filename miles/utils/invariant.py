@@ -12,7 +12,8 @@ a Triton kernel whose result for one row depends on that row alone:
   - matmuls (`aten::mm`, `aten::addmm`: every linear layer and the LM head, forward and backward): tiles
     chosen from K alone (`tiles_for`), so each output element is accumulated over K in the same order
     whatever M and N are; bias added in fp32 before the one rounding;
-  - row means (`aten::mean.dim` over the last dimension: RMSNorm): one program per row, one fixed tree;
+  - row means (`aten::mean.dim` over the last dimension: RMSNorm): one program per row, the row summed exactly
+    in fixed point (`invariant_kernels.exact_sum`: any order, so the decode's fused norm sums it alike);
   - attention (`packed_attention` for packed sequences, `slot_attention` for the engine's slot KV
     cache): one program per head and tile of QUERIES consecutive queries of one sequence (the decode: one
     query), keys visited from the sequence's first in blocks of KEYS with an online softmax in fp32;

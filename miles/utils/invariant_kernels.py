@@ -47,11 +47,28 @@ def split_sum(partials, bias, c, M, N, SPLITS: tl.constexpr, HAS_BIAS: tl.conste
     tl.store(c + i, acc.to(c.dtype.element_ty), mask=inside)
 
 @triton.jit
+def exact_sum(values):
+    """The sum of a block of fp32 `values` (at most 2^14 of them) whatever the order of its additions, in fp64: each
+    value truncated to a multiple of 2^-k, k set by the block's largest magnitude so that each is below 2^48 times
+    it, and the integers added exactly. Any kernel summing a block with it gets the same bits, however Triton lays
+    the block out over threads (the order of a float sum depends on that layout). A block holding an inf or a nan
+    sums in floating point (inf or nan in any order)."""
+    wide = values.to(tl.float64)
+    floating = tl.sum(wide, axis=0)
+    top = tl.max(tl.abs(values), axis=0)
+    biased = (top.to(tl.int32, bitcast=True) >> 23) & 0xFF  # the exponent of the largest magnitude
+    scale = ((1023 + 174 - biased).to(tl.int64) << 52).to(tl.float64, bitcast=True)  # 2^k, k = 174 - biased
+    finite = (floating == floating) & (tl.abs(floating) < float("inf"))
+    fixed = tl.where(finite, wide * scale, 0.0).to(tl.int64)  # exact products, truncated toward zero
+    return tl.where(finite, tl.sum(fixed, axis=0).to(tl.float64) / scale, floating)
+
+@triton.jit
 def row_mean(x, out, N, BLOCK: tl.constexpr):
+    """The mean of a row, its sum exact (`exact_sum`) and divided once, rounded to fp32 and then to out's dtype."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     values = tl.load(x + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
-    tl.store(out + row, (tl.sum(values, axis=0) / N).to(out.dtype.element_ty))
+    tl.store(out + row, (exact_sum(values) / N).to(tl.float32).to(out.dtype.element_ty))
 
 @triton.jit
 def softmax_block(m, total, acc, scores, values, IEEE: tl.constexpr):

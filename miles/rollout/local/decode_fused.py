@@ -25,9 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
+from miles.utils.invariant_kernels import exact_sum
+
 MLP_BLOCK = 1024  # MLP columns a program
 # Each product rounded before it is added, as torch's separate kernels round it (no fused multiply-add): with this,
-# `rms_norm` and `rope_and_cache` compute the bits of the layer functions' ops, which --true-on-policy-mode needs.
+# `rms_norm` and `rope_and_cache` (their `exact`) compute the bits of the layer functions' ops, which
+# --true-on-policy-mode needs.
 EXACT = dict(enable_fp_fusion=False)
 
 
@@ -37,36 +40,36 @@ def supported(head_dim: int) -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             dtype: torch.dtype | None = None) -> torch.Tensor:
+             dtype: torch.dtype | None = None, exact: bool = False) -> torch.Tensor:
     """x (N, hidden) -> weight * (x / rms(x)) as HF's RMSNorm computes it: in fp32, rounded to x's dtype, scaled;
     returned in `dtype` (default: torch's promotion of x and weight; an autocast's dtype rounds as its cast would).
     With `residual` (N, hidden), x += residual first, in place (rounded to x's dtype), and the sum is normalised.
-    The mean square is the square of each column rounded, summed over the same block as miles.utils.invariant's row
-    mean, divided by the width. Without `residual` and in fp32 (`dtype` None over fp32 rows and weight) Triton lays
-    the row out as the row mean's, so the sum runs in its order and the result has the bits of torch's ops under
-    --true-on-policy-mode; a bf16 residual or output gives eight columns a thread instead of four, another order
-    (benchmarks/triton_layouts.py)."""
+    With `exact` (--true-on-policy-mode) the mean square is the square of each column rounded, summed exactly
+    (miles.utils.invariant_kernels.exact_sum, the invariant row mean's sum) and divided by the width, each product
+    rounded before the next op (EXACT): the bits of the layer functions' torch ops with the invariant kernels,
+    whatever Triton's layout of the row. Without it the squares are summed in floating point (faster)."""
     if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
         raise ValueError("rms_norm takes rows with contiguous columns")
     out = torch.empty(x.shape, dtype=dtype or torch.result_type(x, weight), device=x.device)
     _rms_norm[(x.shape[0],)](x, residual if residual is not None else x, weight, out, x.shape[1], x.stride(0),
                              residual.stride(0) if residual is not None else 0, out.stride(0), eps,
                              ADD=residual is not None, BLOCK=max(16, triton.next_power_of_2(x.shape[1])),
-                             **EXACT)
+                             EXACT_SUM=exact, **(EXACT if exact else {}))
     return out
 
 
 def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                   keys: torch.Tensor, values: torch.Tensor, heads: int) -> torch.Tensor:
+                   keys: torch.Tensor, values: torch.Tensor, heads: int, exact: bool = False) -> torch.Tensor:
     """qkv (N, (Q + 2H) * D), the fused projection's rows; cos and sin (L, 1, D) by position; row j at positions[j]
     of slot j. Writes the rotated keys and the values into the (S, H, L, D) caches; returns the rotated queries
-    (N, Q, D)."""
+    (N, Q, D) in torch's promotion of q * cos. With `exact` each product is rounded before it is added (EXACT): the
+    bits of torch's ops."""
     n, kv_heads, d = qkv.shape[0], keys.shape[1], keys.shape[-1]
     q = torch.empty(n, heads, d, dtype=torch.result_type(qkv, cos), device=qkv.device)  # as q * cos promotes
     _rope_and_cache[(n,)](qkv, cos, sin, positions, q, keys, values, qkv.stride(0), cos.stride(0),
                           keys.stride(0), keys.stride(1), keys.stride(2), q.stride(0), q.stride(1), HEADS=heads,
                           KV_HEADS=kv_heads, QB=triton.next_power_of_2(heads), KB=triton.next_power_of_2(kv_heads),
-                          HALF=d // 2, **EXACT)
+                          HALF=d // 2, **(EXACT if exact else {}))
     return q
 
 
@@ -81,7 +84,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rms_norm(x, residual, weight, out, N, s_x, s_r, s_o, eps, ADD: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm(x, residual, weight, out, N, s_x, s_r, s_o, eps, ADD: tl.constexpr, BLOCK: tl.constexpr,
+              EXACT_SUM: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < N
@@ -91,7 +95,11 @@ def _rms_norm(x, residual, weight, out, N, s_x, s_r, s_o, eps, ADD: tl.constexpr
         h = h.to(x.dtype.element_ty)
         tl.store(x + row * s_x + cols, h, mask=inside)
     h = h.to(tl.float32)
-    normed = h * tl.math.rsqrt(tl.sum(h * h, axis=0) / N + eps)  # miles.utils.invariant_kernels.row_mean's sum
+    if EXACT_SUM:  # the invariant row mean's sum: the same bits however h is laid out
+        mean = (exact_sum(h * h) / N).to(tl.float32)
+    else:
+        mean = tl.sum(h * h, axis=0) / N
+    normed = h * tl.math.rsqrt(mean + eps)
     normed = normed.to(x.dtype.element_ty).to(tl.float32)  # HF rounds to the input's dtype before scaling
     w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
     tl.store(out + row * s_o + cols, (w * normed).to(out.dtype.element_ty), mask=inside)

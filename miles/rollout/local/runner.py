@@ -500,8 +500,8 @@ class ModelRunner:
             delta = None  # the last layer's output, not yet added to the residual stream x
             for i in range(self.num_layers):
                 delta = self._fused_layer(fused, kernel, i, x, delta, positions, mask, width)
-            return self._lm_head(x, out, norm=lambda h: self._fused_norm(fused, h, self.inner.norm.weight, delta,
-                                                                          self._cast()))
+            return self._lm_head(x, out, norm=lambda h: fused.rms_norm(h, self.inner.norm.weight, self.eps, delta,
+                                                                        self._cast(), invariant.enabled()))
         cos, sin, rows = self._cos[positions], self._sin[positions], torch.arange(batch, device=self.device)
         for i in range(self.num_layers):
             q, _, _ = self._qkv(i, x, cos, sin, rows, positions)
@@ -529,34 +529,21 @@ class ModelRunner:
 
         Under --true-on-policy-mode (fp32 weights, bf16 autocast, the batch-invariant kernels) the norms and RoPE
         compute the layer functions' bits (decode_fused.EXACT), each norm returning what the autocast would cast it
-        to; the residual adds and the SiLU-and-multiply stay torch's ops, whose sums and rounding the kernels would
-        not repeat."""
+        to; the SiLU-and-multiply stays torch's two ops, whose rounding a kernel of its own would not repeat."""
         w, cast = self._weights[i], self._cast()
         qkv_w, o_w, gate_up_w, down_w = w.projections(cast)
         qkv_b, o_b = w.biases(cast)
         keys, values = self.cache.keys[i], self.cache.values[i]
-        qkv = _linear(self._fused_norm(fused, x, w.norm, delta, cast), qkv_w, qkv_b)
-        q = fused.rope_and_cache(qkv, self._cos, self._sin, positions, keys, values, self.q_heads)
+        exact = invariant.enabled()
+        qkv = _linear(fused.rms_norm(x, w.norm, self.eps, delta, cast, exact), qkv_w, qkv_b)
+        q = fused.rope_and_cache(qkv, self._cos, self._sin, positions, keys, values, self.q_heads, exact)
         attended = self._decode_attention(kernel, q, keys, values, positions, mask, width)
         attention_out = _linear(attended.reshape(x.shape[0], -1), o_w, o_b)
-        gate_up = _linear(self._fused_norm(fused, x, w.post_norm, attention_out, cast), gate_up_w)
-        if invariant.enabled():
+        gate_up = _linear(fused.rms_norm(x, w.post_norm, self.eps, attention_out, cast, exact), gate_up_w)
+        if exact:
             gate, up = gate_up.chunk(2, dim=-1)
             return _linear(F.silu(gate) * up, down_w)
         return _linear(fused.silu_and_mul(gate_up), down_w)
-
-    def _fused_norm(self, fused, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
-                    dtype: torch.dtype | None) -> torch.Tensor:
-        """decode_fused.rms_norm of x after x += residual, in the norm's kernel, returned in `dtype` (the autocast's).
-        Under --true-on-policy-mode the add is torch's own and the norm is returned in fp32 for the autocast to cast:
-        only then does Triton lay the kernel's row out as the invariant row mean's (four columns a thread, not eight:
-        a bf16 store or a bf16 residual changes it), so that it sums the squares in the trainer's order
-        (benchmarks/triton_layouts.py shows the layouts)."""
-        if invariant.enabled():
-            if residual is not None:
-                x.add_(residual)
-            return fused.rms_norm(x, weight, self.eps)
-        return fused.rms_norm(x, weight, self.eps, residual, dtype)
 
     def _decode_kernel(self):
         """miles.rollout.local.decode_attention where its kernel runs this runner's cache (a GPU, unless
