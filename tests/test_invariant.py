@@ -91,36 +91,34 @@ def test_a_row_mean_is_the_same_alone_and_in_any_batch(device):
     torch.testing.assert_close(invariant.mean_dim(x.t(), [0]), x.t().mean(0))  # other layouts: torch's sum
 
 
-@needs_triton
-def test_a_row_mean_sums_exactly_in_any_order():
+def test_a_row_mean_sums_exactly_in_any_order(device):
     """The invariant row mean (--true-on-policy-mode's RMSNorm, in the trainer and in the decode's fused norm) sums a
     row exactly: its columns in any order give the same bits, within an fp32 rounding of the fp64 mean, over values
-    spanning 40 binary orders of magnitude; a row with an inf or a nan gives inf or nan. (Here in Triton's
-    interpreter; the same kernel on a GPU.)"""
+    spanning 40 binary orders of magnitude; a row with an inf or a nan gives inf or nan. (Triton's interpreter on
+    the CPU; the kernel itself on a GPU.)"""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(16, 896, generator=g) * torch.exp2(torch.randint(-20, 20, (16, 896), generator=g).float())
     x[3, 5], x[4, 9] = float("inf"), float("nan")
+    x = x.to(device)
     mean = invariant.mean_dim(x, [-1])
     for _ in range(3):
-        shuffled = x[:, torch.randperm(896, generator=g)]
+        shuffled = x[:, torch.randperm(896, generator=g).to(device)]
         assert torch.equal(invariant.mean_dim(shuffled, [-1]).nan_to_num(), mean.nan_to_num())
     want = x.double().mean(-1)
-    finite = torch.ones(16, dtype=torch.bool)
+    finite = torch.ones(16, dtype=torch.bool, device=device)
     finite[3:5] = False
     torch.testing.assert_close(mean[finite], want[finite].float(), rtol=2 ** -23, atol=0)
     assert mean[3] == float("inf") and mean[4].isnan()
 
 
-@needs_triton
-def test_the_fused_norm_sums_as_the_row_mean_does():
-    """decode_fused's RMSNorm (Triton's interpreter here) computes what torch's ops compute with the invariant row
+def test_the_fused_norm_sums_as_the_row_mean_does(device):
+    """decode_fused's RMSNorm (in Triton's interpreter on the CPU) computes what torch's ops compute with the invariant row
     mean, bit for bit in fp32, alone and after its residual add: the two kernels share the exact sum."""
     from miles.rollout.local import decode_fused
 
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(8, 896, generator=g) * 3
-    weight = torch.rand(896, generator=g) + 0.5
-    residual = torch.randn(8, 896, generator=g)
+    x, weight, residual = (t.to(device) for t in (torch.randn(8, 896, generator=g) * 3,
+                                                  torch.rand(896, generator=g) + 0.5, torch.randn(8, 896, generator=g)))
     for r in (None, residual):
         h = x + r if r is not None else x
         want = weight * (h * torch.rsqrt(invariant.mean_dim(h * h, [-1], True) + 1e-6))
