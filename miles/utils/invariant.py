@@ -15,8 +15,8 @@ a Triton kernel whose result for one row depends on that row alone:
   - row means (`aten::mean.dim` over the last dimension: RMSNorm): one program per row, the row summed exactly
     in fixed point (`invariant_kernels.exact_sum`: any order, so the decode's fused norm sums it alike);
   - attention (`packed_attention` for packed sequences, `slot_attention` for the engine's slot KV
-    cache): one program per head and tile of QUERIES consecutive queries of one sequence (the decode: one
-    query), keys visited from the sequence's first in blocks of KEYS with an online softmax in fp32;
+    cache): one program per head and tile of QUERIES consecutive queries of one sequence (the decode: the query
+    heads of one KV head at one position), keys visited from the sequence's first in blocks of KEYS with an online softmax in fp32;
     q, k and v rounded to the autocast dtype as SDPA's autocast would; backward through torch's SDPA
     (gradients need no invariance);
   - the sampler's draw (`sample`): the softmax's mass summed in fixed point (int64: each exp(x - max) in
@@ -41,7 +41,7 @@ import torch
 from miles.utils.autocast import autocast_dtype
 
 KEYS = 64  # keys per attention block
-QUERIES = 64  # queries per attention program (the decode's one query fills one row of it)
+QUERIES = 64  # queries per attention program (the decode's query heads of one KV head fill some rows of it)
 CHUNK = 4096  # vocabulary entries per sampler block (a multiple of 128)
 _library = None
 
@@ -187,20 +187,22 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return autocast_dtype(t.device.type) or t.dtype
 
 
-def _attend(q, k, v, tiles: tuple[torch.Tensor, ...], *, key_stride: int, head_stride: int,
-            scale: float) -> torch.Tensor:
+def _attend(q, k, v, tiles: tuple[torch.Tensor, ...], *, key_stride: int, head_stride: int, scale: float,
+            group: int, step: int) -> torch.Tensor:
     """q (N, Q, D); k and v one layout (strides key_stride per key, head_stride per KV head). Each tile of
-    `tiles` (first query, queries, position of the first, element offset of key 0; int64 tensors) holds
-    consecutive queries of one sequence; the query at position p attends to keys 0..p -> (N, Q, D)."""
+    `tiles` (first query row, rows, position of the first, element offset of key 0; int64 tensors) holds up to
+    QUERIES rows of q at positions first + r * step; the query at position p attends to keys 0..p -> (N, Q, D).
+    With step 1 a tile is consecutive queries of one sequence, run for each of the Q heads (a KV head per
+    `group` of them); with step 0 a tile's rows are q's rows of one head each (q of shape (N, 1, D)), keys at
+    the tile's own offset."""
     n, heads, d = q.shape
-    kv_heads = k.shape[-3] if k.dim() == 4 else k.shape[1]
     dtype = _compute_dtype(q)
     out = torch.empty((n, heads, d), dtype=dtype, device=q.device)
     if n:
         first, count, position, base = tiles
         _kernels().attention[(first.numel(), heads)](
             q, k, v, out, first, count, position, base, q.stride(0), q.stride(1), key_stride, head_stride,
-            out.stride(0), out.stride(1), float(scale), heads // kv_heads, d, ROUND=dtype != torch.float32,
+            out.stride(0), out.stride(1), float(scale), group, step, d, ROUND=dtype != torch.float32,
             IEEE=dtype == torch.float32, BLOCK_M=QUERIES, BLOCK_D=max(16, 1 << (d - 1).bit_length()), KEYS=KEYS)
     return out
 
@@ -229,7 +231,8 @@ class _PackedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_seq_lens, scale):
         k, v = k.contiguous(), v.contiguous()
         tiles, ctx.max_len = _packed_tiles(cu_seq_lens, k.stride(0))
-        out = _attend(q, k, v, tiles, key_stride=k.stride(0), head_stride=k.stride(1), scale=scale)
+        out = _attend(q, k, v, tiles, key_stride=k.stride(0), head_stride=k.stride(1), scale=scale,
+                      group=q.shape[1] // k.shape[1], step=1)
         ctx.save_for_backward(q, k, v, cu_seq_lens)
         ctx.scale, ctx.dtype = scale, out.dtype
         return out
@@ -257,10 +260,23 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_l
 def slot_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                    scale: float) -> torch.Tensor:
     """The engine's decode: q (b, Q, D) of slots [0, b) at `positions` (b,), each attending to columns
-    [0, position] of its slot in the (S, H, L, D) cache -> (b, Q, D)."""
-    slots = torch.arange(q.shape[0], device=q.device)
-    tiles = (slots, torch.ones_like(slots), positions.long(), slots * keys.stride(0))  # a tile per query
-    return _attend(q, keys, values, tiles, key_stride=keys.stride(2), head_stride=keys.stride(1), scale=scale)
+    [0, position] of its slot in the (S, H, L, D) cache -> (b, Q, D).
+
+    A tile holds the query heads of one KV head of one slot, all at the slot's position (up to QUERIES of them),
+    so the program reads that head's keys once for all of them. Each row is the trainer's row at that position:
+    the same kernel with the same blocks, and a row's result depends on its own query alone."""
+    b, heads, d = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    per_tile = min(group, QUERIES)
+    slot, kv_head, lo = torch.meshgrid(torch.arange(b, device=q.device), torch.arange(kv_heads, device=q.device),
+                                       torch.arange(0, group, per_tile, device=q.device), indexing="ij")
+    slot, kv_head, lo = slot.flatten(), kv_head.flatten(), lo.flatten()
+    tiles = (slot * heads + kv_head * group + lo, (group - lo).clamp(max=per_tile), positions.long()[slot],
+             slot * keys.stride(0) + kv_head * keys.stride(1))
+    rows = q.contiguous().view(b * heads, 1, d)  # row i: slot i // Q, head i % Q
+    out = _attend(rows, keys, values, tiles, key_stride=keys.stride(2), head_stride=0, scale=scale, group=1, step=0)
+    return out.view(b, heads, d)
 
 
 # -- sampling --------------------------------------------------------------------------------------

@@ -86,12 +86,14 @@ def softmax_block(m, total, acc, scores, values, IEEE: tl.constexpr):
 
 @triton.jit
 def attention(q, k, v, o, tile_first, tile_count, tile_position, tile_base, s_qn, s_qh, s_key, s_head, s_on,
-              s_oh, scale, group, D, ROUND: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+              s_oh, scale, group, step, D, ROUND: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_D: tl.constexpr, KEYS: tl.constexpr):
+    """A tile's rows are queries at positions tile_position + r * step (the trainer: consecutive positions of one
+    sequence, step 1; the decode: the query heads of one KV head at a slot's position, step 0)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     first, count = tl.load(tile_first + t), tl.load(tile_count + t)
-    position = tl.load(tile_position + t) + tl.arange(0, BLOCK_M)  # each row's position: it sees keys <= it
+    position = tl.load(tile_position + t) + tl.arange(0, BLOCK_M) * step  # each row's position: it sees keys <= it
     base = tl.load(tile_base + t) + (h // group) * s_head
     r = tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
@@ -103,7 +105,7 @@ def attention(q, k, v, o, tile_first, tile_count, tile_position, tile_base, s_qn
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     total = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    last = tl.load(tile_position + t) + count  # keys [0, last) serve the tile
+    last = tl.load(tile_position + t) + (count - 1) * step + 1  # keys [0, last) serve the tile
     for n0 in range(0, last, KEYS):
         n = n0 + tl.arange(0, KEYS)
         at = base + n[:, None] * s_key + d[None, :]
