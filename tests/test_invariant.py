@@ -112,8 +112,8 @@ def test_a_row_mean_sums_exactly_in_any_order(device):
 
 
 def test_the_fused_norm_sums_as_the_row_mean_does(device):
-    """decode_fused's RMSNorm (in Triton's interpreter on the CPU) computes what torch's ops compute with the invariant row
-    mean, bit for bit in fp32, alone and after its residual add: the two kernels share the exact sum."""
+    """decode_fused's RMSNorm (in Triton's interpreter on the CPU) computes what torch's ops compute with the
+    invariant row mean, bit for bit in fp32, alone and after its residual add: the two kernels share the exact sum."""
     from miles.rollout.local import decode_fused
 
     g = torch.Generator().manual_seed(1)

@@ -15,10 +15,10 @@ a Triton kernel whose result for one row depends on that row alone:
   - row means (`aten::mean.dim` over the last dimension: RMSNorm): one program per row, the row summed exactly
     in fixed point (`invariant_kernels.exact_sum`: any order, so the decode's fused norm sums it alike);
   - attention (`packed_attention` for packed sequences, `slot_attention` for the engine's slot KV
-    cache): one program per head and tile of QUERIES consecutive queries of one sequence (the decode: the query
-    heads of one KV head at one position), keys visited from the sequence's first in blocks of KEYS with an online softmax in fp32;
-    q, k and v rounded to the autocast dtype as SDPA's autocast would; backward through torch's SDPA
-    (gradients need no invariance);
+    cache): one program per head and tile of QUERIES consecutive queries of one sequence (the decode: the
+    query heads of one KV head at one position), keys visited from the sequence's first in blocks of KEYS
+    with an online softmax in fp32; q, k and v rounded to the autocast dtype as SDPA's autocast would;
+    backward through torch's SDPA (gradients need no invariance);
   - the sampler's draw (`sample`): the softmax's mass summed in fixed point (int64: each exp(x - max) in
     whole units of 2^-44 at 151,936 tokens), so neither the sum, nor the log-sum-exp, nor the inverse CDF over
     the same integers depends on the order of additions (which Triton picks by the logits' dtype: a bf16

@@ -511,8 +511,8 @@ class ModelRunner:
         return self._lm_head(x, out)
 
     def _fused_kernels(self):
-        """miles.rollout.local.decode_fused where its kernels run this runner's decode step (a GPU, unless `fused_decode`
-        is off; not for per-head q/k norms), else None: the layer functions."""
+        """miles.rollout.local.decode_fused where its kernels run this runner's decode step (a GPU, unless
+        `fused_decode` is off; not for per-head q/k norms), else None: the layer functions."""
         if not (self.fused_decode and self.device.type == "cuda"):
             return None
         from miles.rollout.local import decode_fused
