@@ -2,9 +2,11 @@
 on a GPU: one program per slot and KV head reads the slot's cached keys once, up to its own position) against
 the SDPA call the runner makes without it (g query heads of a KV head as g queries, a (b, 1, 1, Lb) mask over
 the width bucket). Prints the largest difference from SDPA and, on a GPU, the time of a call replayed in a CUDA
-graph (no launch time), per batch.
+graph (no launch time), per batch, and the bytes of cached keys and values it reads a second against the copy
+bandwidth measured in the run. `--launch BLOCK:WARPS:STAGES ...` times the kernel at other launch settings too
+(columns a block, Triton's num_warps and num_stages; `-` for Triton's default), each checked against SDPA.
 
-    python benchmarks/decode_attention.py [--batch 32 128 512] [--prompt 128] [--new 256]
+    python benchmarks/decode_attention.py [--batch 32 128 512] [--prompt 128] [--new 256] [--launch 128:4:3 64:8:-]
     TRITON_INTERPRET=1 python benchmarks/decode_attention.py --device cpu --batch 4 --prompt 16 --new 16  # check
 
 Shape: Qwen2.5-0.5B's attention (14 query heads, 2 KV heads, head dim 64), bf16 on a GPU (fp32 on the CPU);
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from common import gpu_times
 
-from miles.rollout.local.decode_attention import decode_attention
+from miles.rollout.local.decode_attention import KEYS, decode_attention
 
 HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64
 LENGTH_STEP = 128  # the runner's width buckets
@@ -36,13 +38,33 @@ def sdpa_decode(q, keys, values, positions, scale, width):
     return out.reshape(b, HEADS, HEAD_DIM)
 
 
+def launch_settings(text: str) -> tuple[int, dict]:
+    """BLOCK:WARPS:STAGES -> (block, Triton's launch options); `-` leaves one at its default."""
+    block, warps, stages = text.split(":")
+    launch = {k: int(v) for k, v in (("num_warps", warps), ("num_stages", stages)) if v != "-"}
+    return (KEYS if block == "-" else int(block)), launch
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a device-to-device copy of 1 GiB (read + write counted), timed in a CUDA graph."""
+    a = torch.empty((1 << 30) // 4, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * a.numel() * 4 / statistics.median(gpu_times(lambda: b.copy_(a), calls=3))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batch", type=int, nargs="+", default=[32, 128, 512])
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--launch", nargs="*", default=[], metavar="BLOCK:WARPS:STAGES",
+                    help="more launch settings of the kernel to time (as it is: -:-:-)")
     args = ap.parse_args()
+    settings = [("as it is", (KEYS, {}))] + [(text, launch_settings(text)) for text in args.launch]
+    bandwidth = copy_bandwidth() if args.device == "cuda" else None
+    if bandwidth:
+        print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     g = torch.Generator().manual_seed(0)
     length = -(-(args.prompt + args.new) // LENGTH_STEP) * LENGTH_STEP
@@ -53,13 +75,21 @@ def main() -> None:
         positions = torch.randint(args.prompt, args.prompt + args.new, (b,), generator=g).to(args.device)
         width = -(-(int(positions.max()) + 1) // LENGTH_STEP) * LENGTH_STEP
         want = sdpa_decode(q, keys, values, positions, scale, width)
-        got = decode_attention(q, keys, values, positions, scale)
-        line = f"batch {b:4}, width {width}: largest difference from SDPA {(got.float() - want.float()).abs().max():.2e}"
+        read = int((positions + 1).sum()) * KV_HEADS * HEAD_DIM * 2 * keys.element_size()  # the kernel's keys, values
+        sdpa = None
         if args.device == "cuda":
             sdpa = statistics.median(gpu_times(lambda: sdpa_decode(q, keys, values, positions, scale, width))) * 1e6
-            ours = statistics.median(gpu_times(lambda: decode_attention(q, keys, values, positions, scale))) * 1e6
-            line += f"; SDPA {sdpa:6.1f} us, Triton {ours:6.1f} us ({ours / sdpa:.2f}x)"
-        print(line, flush=True)
+            print(f"batch {b:4}, width {width}: SDPA {sdpa:6.1f} us", flush=True)
+        for name, (block, launch) in settings:
+            def call(block=block, launch=launch):
+                return decode_attention(q, keys, values, positions, scale, block=block, **launch)
+
+            line = f"batch {b:4}, {name:>9}: largest difference from SDPA {(call().float() - want.float()).abs().max():.2e}"
+            if sdpa is not None:
+                ours = statistics.median(gpu_times(call)) * 1e6
+                line += (f"; Triton {ours:6.1f} us ({ours / sdpa:.2f}x SDPA), {read / ours / 1e6:.2f} TB/s read, "
+                         f"{read / ours / 1e-6 / bandwidth:.0%} of copy")
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

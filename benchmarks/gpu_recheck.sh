@@ -23,7 +23,8 @@
 #                   of its mean)
 #   profile         the compiled engine's decode at batch 512 under torch's profiler (its top kernels; ~3 min)
 #   tiles           benchmarks/invariant_tiles.py (~1 min)
-#   attention       benchmarks/decode_attention.py: the decode attention's Triton kernel against SDPA (~30 s)
+#   attention       benchmarks/decode_attention.py: the decode attention's Triton kernel against SDPA, and at other
+#                   launch settings (ATTENTION_LAUNCH, BLOCK:WARPS:STAGES ...), with the bandwidth it reads at (~1 min)
 set -uo pipefail
 start=$SECONDS
 out=${OUT:-/tmp}
@@ -57,7 +58,8 @@ for s in "${stages[@]}"; do
     profile) stage profile 240 python3 benchmarks/engine_decode.py --batch 512 --repeats 1 --rows fast-compiled \
                --profile 512 --profile-compiled ;;
     tiles) stage tiles 90 python3 benchmarks/invariant_tiles.py --repeats 5 --calls 20 ;;
-    attention) stage attention 60 python3 benchmarks/decode_attention.py --batch 32 128 512 ;;
+    attention) stage attention 90 python3 benchmarks/decode_attention.py --batch 32 128 512 \
+                 --launch ${ATTENTION_LAUNCH:-128:4:- 64:8:- 64:4:2 64:4:4 32:4:-} ;;
     *) echo "unknown stage $s" ;;
   esac
 done

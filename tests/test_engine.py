@@ -241,10 +241,12 @@ def test_without_graphs_a_decode_step_runs_at_its_live_rows_count(tiny_model):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
-def test_the_gpus_decode_attention_kernel_attends_to_each_slot_up_to_its_position():
+@pytest.mark.parametrize("block", [64, 32])
+def test_the_gpus_decode_attention_kernel_attends_to_each_slot_up_to_its_position(block):
     """The fast engine's decode attention on a GPU (miles.rollout.local.decode_attention; here in Triton's interpreter
     where there is no GPU): each slot's query heads attend to its own cached columns [0, position], as SDPA over
-    that slot alone does; a group of 3 query heads a KV head (a tile of 16 rows), positions at block edges."""
+    that slot alone does; a group of 3 query heads a KV head (a tile of 16 rows), positions at block edges; at the
+    kernel's block of columns and at the benchmark sweep's other blocks."""
     from miles.rollout.local.decode_attention import decode_attention
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -253,7 +255,7 @@ def test_the_gpus_decode_attention_kernel_attends_to_each_slot_up_to_its_positio
     keys, values = (torch.randn(7, kv_heads, length, dim, generator=g).to(device) for _ in range(2))  # 7 slots
     q = torch.randn(5, kv_heads * group, dim, generator=g).to(device)  # slots 0..4 decode
     positions = torch.tensor([0, 63, 64, 130, 199], device=device)
-    got = decode_attention(q, keys, values, positions, 0.25)
+    got = decode_attention(q, keys, values, positions, 0.25, block=block)
     for j, p in enumerate(positions.tolist()):
         want = torch.nn.functional.scaled_dot_product_attention(
             q[j].view(kv_heads, group, dim), keys[j, :, :p + 1], values[j, :, :p + 1], scale=0.25)

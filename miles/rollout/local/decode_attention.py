@@ -29,9 +29,10 @@ def supported(keys: torch.Tensor) -> bool:
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, *, block: int = KEYS, **launch) -> torch.Tensor:
     """q (b, Q, D) of slots [0, b), slot j at positions[j], attending to columns [0, positions[j]] of its slot
-    in the (S, H, L, D) caches -> (b, Q, D)."""
+    in the (S, H, L, D) caches -> (b, Q, D). `block` (columns a block) and `launch` (Triton's num_warps,
+    num_stages; its defaults otherwise) are for benchmarks/decode_attention.py's sweep."""
     b, heads, d = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
@@ -39,8 +40,8 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     out = torch.empty_like(q)
     _decode_attention[(b, kv_heads)](
         q, keys, values, positions, out, q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-        out.stride(0), out.stride(1), scale, group, D=d, G=max(16, triton.next_power_of_2(group)), KEYS=KEYS,
-        IEEE=q.dtype == torch.float32)
+        out.stride(0), out.stride(1), scale, group, D=d, G=max(16, triton.next_power_of_2(group)), KEYS=block,
+        IEEE=q.dtype == torch.float32, **launch)
     return out
 
 
