@@ -492,6 +492,22 @@ def test_how_the_run_ended_is_the_top_finding(capsys, tmp_path, fixture, fid, sy
                                           "run_nonfinite": "nonfinite", "run_killed": "killed"}[fid]
 
 
+def test_a_true_on_policy_stop_is_named_as_the_modes_check(capsys, tmp_path):
+    """The stop of --true-on-policy-mode's check (miles/loop.py: check_true_on_policy, exit 3) is named as that
+    check failing, with what breaks it and --true-on-policy-check rescore to train meanwhile; not as a bad flag."""
+    run = _copy(tmp_path, "error_stopped_run")
+    lines = (run / "train.log").read_text().splitlines()
+    lines[-1] = ("2026-12-01 10:00:04 ERROR error: --true-on-policy-mode: at step 3 the engine's log-probs differ "
+                 "from the trainer's by up to 0.0186; they must be equal bit for bit, so a kernel outside the mode's "
+                 "ran on one side: report it with `miles doctor RUN_DIR --bundle bug.md`")
+    (run / "train.log").write_text("\n".join(lines) + "\n")
+    _, report = findings(capsys, run)
+    top = report["findings"][0]
+    assert top["id"] == "run_error" and "at step 3 the engine's log-probs differ" in top["symptom"], top
+    assert "check failed (exit 3)" in top["likely_culprit"] and "batch-invariant" in top["likely_culprit"], top
+    assert "--true-on-policy-check rescore" in top["fix"], top
+
+
 def test_a_fate_outranks_more_confident_symptoms(capsys, tmp_path):
     """A SIGTERM stop (medium confidence) still comes before a weight-sync FAIL (high)."""
     run = _copy(tmp_path, "weight_sync_fail")

@@ -261,7 +261,15 @@ def _crashed(c: Corpus, run: RunState) -> Finding:
 def _error(c: Corpus, run: RunState) -> Finding:
     log, i = run.log, run.end
     message = _body(log.lines[i]).split("error: ", 1)[1]
-    if re.search(r"check failed|consecutive steps with non-finite", message, re.IGNORECASE):
+    fix = f"fix what the message names, then {_resume(c, run)}"
+    if message.startswith("--true-on-policy-mode:"):  # miles/loop.py: check_true_on_policy
+        culprit = ("--true-on-policy-mode's check failed (exit 3): the engine's log-probs were not the trainer's bit "
+                   "for bit, so an op outside the mode's batch-invariant kernels ran on one side (a layer the mode "
+                   "does not cover, such as a model on the HF decode path or a norm other than RMSNorm; another "
+                   "attention backend; a kernel changed by a Triton or torch upgrade)")
+        fix = ("`miles doctor RUN_DIR --bundle bug.md` writes bug.md, the report to attach; to train meanwhile, "
+               f"--true-on-policy-check rescore re-draws the tokens where the two differ; then {_resume(c, run)}")
+    elif re.search(r"check failed|consecutive steps with non-finite", message, re.IGNORECASE):
         culprit = "a check the run was told to make fatal failed (exit 3): the message names the lines to read"
     elif message.startswith("WorkerCrashed:"):
         culprit = ("a Ray-hosted worker died or failed (exit 1): the message names it, its node and its first "
@@ -270,8 +278,7 @@ def _error(c: Corpus, run: RunState) -> Finding:
         culprit = "a write failed (exit 1): the disk is full or read-only, or the directory went away"
     else:
         culprit = "a bad flag, file or input met during the run (exit 2): the message names it"
-    return Finding("run_error", f"run stopped with an error: {message}"[:240], 0.95, [line_ev(log, i)], culprit,
-                   f"fix what the message names, then {_resume(c, run)}")
+    return Finding("run_error", f"run stopped with an error: {message}"[:240], 0.95, [line_ev(log, i)], culprit, fix)
 
 
 def _signal(c: Corpus, run: RunState) -> Finding:
