@@ -1,9 +1,11 @@
-"""Helpers shared by the benchmark scripts: the issue's model shape, `miles train` in process, its metrics, GPU time."""
+"""Helpers shared by the benchmark scripts: the issue's model shape, `miles train` in process, its metrics, GPU time,
+copy bandwidth."""
 
 from __future__ import annotations
 
 import json
 import statistics
+import time
 from pathlib import Path
 
 from miles.cli.main import main
@@ -46,3 +48,20 @@ def gpu_times(fn, repeats: int = 5, calls: int = 20) -> list[float]:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1000 / calls)
     return times
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes/s of a device-to-device copy of 1 GiB (read + write counted; 64 MiB on a CPU)."""
+    import torch
+
+    n = (1 << 30) // 4 if device.type == "cuda" else (1 << 26)
+    a = torch.empty(n, dtype=torch.float32, device=device)
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(6):  # the first, untimed, warms up
+        start = time.perf_counter()
+        b.copy_(a)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 2 * a.numel() * 4 / min(times[1:])

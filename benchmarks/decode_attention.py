@@ -20,7 +20,7 @@ import statistics
 
 import torch
 import torch.nn.functional as F
-from common import gpu_times
+from common import copy_bandwidth, gpu_times
 
 from miles.rollout.local.decode_attention import KEYS, decode_attention
 
@@ -45,13 +45,6 @@ def launch_settings(text: str) -> tuple[int, dict]:
     return (KEYS if block == "-" else int(block)), launch
 
 
-def copy_bandwidth() -> float:
-    """Bytes/s of a device-to-device copy of 1 GiB (read + write counted), timed in a CUDA graph."""
-    a = torch.empty((1 << 30) // 4, device="cuda")
-    b = torch.empty_like(a)
-    return 2 * a.numel() * 4 / statistics.median(gpu_times(lambda: b.copy_(a), calls=3))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -62,7 +55,7 @@ def main() -> None:
                     help="more launch settings of the kernel to time (as it is: -:-:-)")
     args = ap.parse_args()
     settings = [("as it is", (KEYS, {}))] + [(text, launch_settings(text)) for text in args.launch]
-    bandwidth = copy_bandwidth() if args.device == "cuda" else None
+    bandwidth = copy_bandwidth(torch.device("cuda")) if args.device == "cuda" else None
     if bandwidth:
         print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -87,8 +80,9 @@ def main() -> None:
             line = f"batch {b:4}, {name:>9}: largest difference from SDPA {(call().float() - want.float()).abs().max():.2e}"
             if sdpa is not None:
                 ours = statistics.median(gpu_times(call)) * 1e6
-                line += (f"; Triton {ours:6.1f} us ({ours / sdpa:.2f}x SDPA), {read / ours / 1e6:.2f} TB/s read, "
-                         f"{read / ours / 1e-6 / bandwidth:.0%} of copy")
+                rate = read / (ours * 1e-6)  # bytes/s
+                line += (f"; Triton {ours:6.1f} us ({ours / sdpa:.2f}x SDPA), {rate / 1e12:.2f} TB/s read, "
+                         f"{rate / bandwidth:.0%} of copy")
             print(line, flush=True)
 
 

@@ -29,7 +29,7 @@ import statistics
 import time
 
 import torch
-from common import QWEN_0_5B
+from common import QWEN_0_5B, copy_bandwidth
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from miles.config import SamplingParams
@@ -48,22 +48,6 @@ SHAPES = {
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
-
-
-def copy_bandwidth(device) -> float:
-    """Bytes/s of a device-to-device copy of 1 GiB (read + write counted)."""
-    n = (1 << 30) // 4 if device.type == "cuda" else (1 << 26)
-    a = torch.empty(n, dtype=torch.float32, device=device)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    sync(device)
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        b.copy_(a)
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return 2 * a.numel() * 4 / min(times)
 
 
 def timed(fn, repeats: int, device) -> list[float]:
