@@ -157,8 +157,12 @@ def test_a_decode_step_over_the_slot_cache_equals_the_packed_forward_bitwise(dev
         keys[slot, :, :n], values[slot, :, :n] = k[lo:lo + n].transpose(0, 1), v[lo:lo + n].transpose(0, 1)
     for at in ([4, 69, 2], [0, 30, 1]):  # each slot's position
         rows = torch.tensor([lo + p for lo, p in zip(starts, at)], device=device)
+        positions = torch.tensor(at, device=device)
         with compute(device):
-            step = invariant.slot_attention(q[rows], keys, values, torch.tensor(at, device=device), 0.25)
+            step = invariant.slot_attention(q[rows], keys, values, positions, 0.25)
+            # the runner makes the tiles once a step and hands them to every layer
+            tiles = invariant.slot_tiles(q.shape[1], keys, positions)
+            assert torch.equal(invariant.slot_attention(q[rows], keys, values, positions, 0.25, tiles), step)
         assert torch.equal(step, out[rows])
     alone = torch.tensor([0, 70], dtype=torch.int32, device=device)  # the second sequence packed alone
     with compute(device):

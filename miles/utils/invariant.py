@@ -257,23 +257,31 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_l
     return _PackedAttention.apply(q, k, v, cu_seq_lens, scale)
 
 
+def slot_tiles(heads: int, keys: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`slot_attention`'s tiles for `heads` query heads of slots [0, b) at `positions` (b,) over a cache laid out
+    as `keys` (S, H, L, D): a tile per KV head of a slot (per QUERIES of its query heads), all at the slot's
+    position. The same for every layer of a decode step (the runner makes them once a step)."""
+    b, kv_heads = positions.shape[0], keys.shape[1]
+    group = heads // kv_heads
+    per_tile = min(group, QUERIES)
+    slot, kv_head, lo = torch.meshgrid(torch.arange(b, device=keys.device), torch.arange(kv_heads, device=keys.device),
+                                       torch.arange(0, group, per_tile, device=keys.device), indexing="ij")
+    slot, kv_head, lo = slot.flatten(), kv_head.flatten(), lo.flatten()
+    return (slot * heads + kv_head * group + lo, (group - lo).clamp(max=per_tile), positions.long()[slot],
+            slot * keys.stride(0) + kv_head * keys.stride(1))
+
+
 def slot_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                   scale: float) -> torch.Tensor:
+                   scale: float, tiles: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """The engine's decode: q (b, Q, D) of slots [0, b) at `positions` (b,), each attending to columns
-    [0, position] of its slot in the (S, H, L, D) cache -> (b, Q, D).
+    [0, position] of its slot in the (S, H, L, D) cache -> (b, Q, D); `tiles`: slot_tiles(Q, keys, positions),
+    made here when not given.
 
     A tile holds the query heads of one KV head of one slot, all at the slot's position (up to QUERIES of them),
     so the program reads that head's keys once for all of them. Each row is the trainer's row at that position:
     the same kernel with the same blocks, and a row's result depends on its own query alone."""
     b, heads, d = q.shape
-    kv_heads = keys.shape[1]
-    group = heads // kv_heads
-    per_tile = min(group, QUERIES)
-    slot, kv_head, lo = torch.meshgrid(torch.arange(b, device=q.device), torch.arange(kv_heads, device=q.device),
-                                       torch.arange(0, group, per_tile, device=q.device), indexing="ij")
-    slot, kv_head, lo = slot.flatten(), kv_head.flatten(), lo.flatten()
-    tiles = (slot * heads + kv_head * group + lo, (group - lo).clamp(max=per_tile), positions.long()[slot],
-             slot * keys.stride(0) + kv_head * keys.stride(1))
+    tiles = tiles if tiles is not None else slot_tiles(heads, keys, positions)
     rows = q.contiguous().view(b * heads, 1, d)  # row i: slot i // Q, head i % Q
     out = _attend(rows, keys, values, tiles, key_stride=keys.stride(2), head_stride=0, scale=scale, group=1, step=0)
     return out.view(b, heads, d)

@@ -492,20 +492,22 @@ class ModelRunner:
 
     def _decode_step(self, batch: int, width: int, tokens: torch.Tensor, positions: torch.Tensor,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-        kernel, mask = self._decode_kernel(), None
-        if kernel is None:  # SDPA's (b, 1, 1, Lb) mask, shared by the g queries of each KV head
-            mask = (torch.arange(width, device=self.device)[None] <= positions[:, None])[:, None, None, :]
+        kernel, shared = self._decode_kernel(), None  # what every layer's attention of the step reads alike
+        if invariant.enabled() and self.device.type == "cuda":  # the mode's attention tiles
+            shared = invariant.slot_tiles(self.q_heads, self.cache.keys[0], positions)
+        elif kernel is None:  # SDPA's (b, 1, 1, Lb) mask, shared by the g queries of each KV head
+            shared = (torch.arange(width, device=self.device)[None] <= positions[:, None])[:, None, None, :]
         x = self.inner.embed_tokens(tokens)  # (b, hidden)
         if (fused := self._fused_kernels()) is not None:
             delta = None  # the last layer's output, not yet added to the residual stream x
             for i in range(self.num_layers):
-                delta = self._fused_layer(fused, kernel, i, x, delta, positions, mask, width)
+                delta = self._fused_layer(fused, kernel, i, x, delta, positions, shared, width)
             return self._lm_head(x, out, norm=lambda h: fused.rms_norm(h, self.inner.norm.weight, self.eps, delta,
                                                                         self._cast(), invariant.enabled()))
         cos, sin, rows = self._cos[positions], self._sin[positions], torch.arange(batch, device=self.device)
         for i in range(self.num_layers):
             q, _, _ = self._qkv(i, x, cos, sin, rows, positions)
-            attended = self._decode_attention(kernel, q, self.cache.keys[i], self.cache.values[i], positions, mask,
+            attended = self._decode_attention(kernel, q, self.cache.keys[i], self.cache.values[i], positions, shared,
                                               width)
             x = self._finish_layer(i, x, attended)
         return self._lm_head(x, out)
@@ -522,7 +524,7 @@ class ModelRunner:
         return decode_fused
 
     def _fused_layer(self, fused, kernel, i: int, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
-                     mask: torch.Tensor | None, width: int) -> torch.Tensor:
+                     shared, width: int) -> torch.Tensor:
         """Layer i of a decode step in decode_fused's kernels around the GEMMs: the residual stream x (b, hidden) gets
         the last layer's output `delta` (None before the first) and this layer's attention added in place, each in the
         norm's kernel after it; returns this layer's MLP output (b, hidden), what the layer functions compute.
@@ -537,7 +539,7 @@ class ModelRunner:
         exact = invariant.enabled()
         qkv = _linear(fused.rms_norm(x, w.norm, self.eps, delta, cast, exact), qkv_w, qkv_b)
         q = fused.rope_and_cache(qkv, self._cos, self._sin, positions, keys, values, self.q_heads, exact)
-        attended = self._decode_attention(kernel, q, keys, values, positions, mask, width)
+        attended = self._decode_attention(kernel, q, keys, values, positions, shared, width)
         attention_out = _linear(attended.reshape(x.shape[0], -1), o_w, o_b)
         gate_up = _linear(fused.rms_norm(x, w.post_norm, self.eps, attention_out, cast, exact), gate_up_w)
         if exact:
@@ -555,21 +557,21 @@ class ModelRunner:
         return decode_attention if decode_attention.supported(self.cache.keys[0]) else None
 
     def _decode_attention(self, kernel, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                          positions: torch.Tensor, mask: torch.Tensor | None, width: int) -> torch.Tensor:
+                          positions: torch.Tensor, shared, width: int) -> torch.Tensor:
         """Decode attention of slots [0, b)'s queries q (b, Q, D): under --true-on-policy-mode what the trainer's
-        attention computes; else in the `_decode_kernel` KERNEL, which reads each slot only up to its position;
-        without one, SDPA over the width bucket under the (b, 1, 1, Lb) mask, the g query heads of a KV head as g
-        queries of one head."""
+        attention computes, over the step's tiles (`shared`: invariant.slot_tiles); else in the `_decode_kernel`
+        KERNEL, which reads each slot only up to its position; without one, SDPA over the width bucket under the
+        (b, 1, 1, Lb) mask `shared`, the g query heads of a KV head as g queries of one head."""
         batch = q.shape[0]
         if invariant.enabled() and q.is_cuda:
-            return invariant.slot_attention(q, keys, values, positions, self.scaling)
+            return invariant.slot_attention(q, keys, values, positions, self.scaling, shared)
         q = q.to(self.dtype)
         if kernel is not None:
             return kernel.decode_attention(q.view(batch, self.q_heads, self.head_dim), keys, values, positions,
                                            self.scaling)
         grouped = q.view(batch, self.kv_heads, self.group, self.head_dim)  # (b, H, g, D)
         return F.scaled_dot_product_attention(grouped, keys[:batch, :, :width], values[:batch, :, :width],
-                                              attn_mask=mask, scale=self.scaling)
+                                              attn_mask=shared, scale=self.scaling)
 
     def _casts(self) -> list[_Cast]:
         """The weights' cast copies made so far (none outside autocast)."""
