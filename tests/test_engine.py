@@ -332,6 +332,32 @@ def test_a_decode_step_in_the_fused_kernels_makes_the_tokens_of_the_layer_functi
         assert a.log_probs == pytest.approx(b.log_probs, abs=1e-5)
 
 
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_under_the_mode_the_decode_keeps_to_the_layer_functions_where_rows_are_wider_than_the_exact_mean(
+        tiny_qwen, monkeypatch):
+    """Under --true-on-policy-mode the fused norm sums each row exactly, as the trainer's invariant row mean does. A
+    row wider than that mean takes (invariant.ROW_MEAN_MAX) the trainer sums with torch, which the kernel does not
+    repeat, so there the GPU's decode steps through the layer functions (the run would stop at step 1 otherwise);
+    outside the mode, and at widths the mean takes, the fused kernels still run."""
+    from miles.rollout.local import decode_fused
+    from miles.utils import invariant
+
+    tok = load_tokenizer(tiny_qwen)
+    model = load_causal_lm(tiny_qwen, device="cpu", attention_backend="sdpa")
+    runner = LocalEngine(model, eos_token_ids=eos_token_ids(model, tok), pad_token_id=tok.pad_token_id).runner
+    runner.reserve(1, 16)  # the layers' weights
+    monkeypatch.setattr(runner, "device", torch.device("cuda"))  # where _fused_kernels picks the kernels
+    monkeypatch.setattr(runner, "fused_decode", True)
+    hidden = model.config.hidden_size
+    monkeypatch.setattr(invariant, "enabled", lambda: True)
+    monkeypatch.setattr(invariant, "ROW_MEAN_MAX", hidden)
+    assert runner._fused_kernels() is decode_fused
+    monkeypatch.setattr(invariant, "ROW_MEAN_MAX", hidden - 1)
+    assert runner._fused_kernels() is None
+    monkeypatch.setattr(invariant, "enabled", lambda: False)
+    assert runner._fused_kernels() is decode_fused
+
 def test_sampling_at_a_large_vocabulary_follows_the_reported_distribution():
     """At Qwen's 151,936 tokens with a long tail: the distribution the inverse CDF samples (each
     token's CDF interval) equals exp(reported log-probs) to ~1e-12 in total variation, and every

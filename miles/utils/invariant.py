@@ -163,11 +163,13 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, tiles: 
 
 # -- row mean --------------------------------------------------------------------------------------
 
+ROW_MEAN_MAX = 16384  # the widest row the kernel's exact mean takes (one block); wider rows take torch's sum
+
 def mean_dim(x: torch.Tensor, dim, keepdim: bool = False, *, dtype=None) -> torch.Tensor:
     dims = [d % x.dim() for d in dim] if dim and x.dim() else list(range(x.dim()))  # none or []: every dim
     if dtype is not None:
         x = x.to(dtype)
-    if dims != [x.dim() - 1] or not x.is_contiguous() or not x.is_floating_point() or x.shape[-1] > 16384:
+    if dims != [x.dim() - 1] or not x.is_contiguous() or not x.is_floating_point() or x.shape[-1] > ROW_MEAN_MAX:
         count = 1
         for d in dims:
             count *= x.shape[d]

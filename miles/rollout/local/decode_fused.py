@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from miles.utils import invariant
 from miles.utils.invariant_kernels import exact_sum
 
 MLP_BLOCK = 1024  # MLP columns a program
@@ -35,9 +36,11 @@ MLP_BLOCK = 1024  # MLP columns a program
 EXACT = dict(enable_fp_fusion=False)
 
 
-def supported(head_dim: int) -> bool:
-    """Whether `rope_and_cache` takes this head dim: a power of two of 4 or more (half of it is a tile's width)."""
-    return head_dim >= 4 and head_dim & (head_dim - 1) == 0
+def supported(head_dim: int, hidden: int, exact: bool = False) -> bool:
+    """Whether the kernels take this shape: `rope_and_cache` a head dim that is a power of two of 4 or more (half of
+    it is a tile's width); with `exact` (--true-on-policy-mode), `rms_norm` only a width the trainer's invariant row
+    mean sums exactly too (invariant.ROW_MEAN_MAX): above it the trainer takes torch's sum, which no kernel repeats."""
+    return head_dim >= 4 and head_dim & (head_dim - 1) == 0 and not (exact and hidden > invariant.ROW_MEAN_MAX)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,

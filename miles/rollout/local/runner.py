@@ -514,12 +514,14 @@ class ModelRunner:
 
     def _fused_kernels(self):
         """miles.rollout.local.decode_fused where its kernels run this runner's decode step (a GPU, unless
-        `fused_decode` is off; not for per-head q/k norms), else None: the layer functions."""
+        `fused_decode` is off; not for per-head q/k norms, nor under --true-on-policy-mode for rows wider than the
+        trainer's exact row mean takes), else None: the layer functions."""
         if not (self.fused_decode and self.device.type == "cuda"):
             return None
         from miles.rollout.local import decode_fused
 
-        if self._weights[0].q_norm is not None or not decode_fused.supported(self.head_dim):
+        hidden, exact = self.inner.embed_tokens.weight.shape[1], invariant.enabled()
+        if self._weights[0].q_norm is not None or not decode_fused.supported(self.head_dim, hidden, exact):
             return None
         return decode_fused
 
