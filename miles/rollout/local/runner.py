@@ -139,8 +139,10 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
 def _pre_attention(x, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin, keys, values, slots, positions, *, heads: int,
                    kv_heads: int, eps: float):
     """Tokens x (N, hidden) -> queries (N, Q, D), keys and values (N, H, D), RoPE applied; the keys and values also
-    written into the cache `keys` and `values` (S, H, L, D) at (slots[j], positions[j]). Under torch.compile the
-    writes fuse into the kernel that applies RoPE (they were two `index_put_` kernels a layer and step)."""
+    written into the cache `keys` and `values` (S, H, L, D) at (slots[j], positions[j]), as rows of the caches seen
+    as (S * H * L, D) by `index_copy_`: on a CPU with passive OpenMP threads `index_put_` opened a parallel region
+    for each write, whose thread wake-up cost 70 us of the 8 us the write takes (BENCHMARKS.md, 2026-12-05). Under
+    torch.compile the writes fuse into the kernel that applies RoPE."""
     h = _linear(_rms_norm(x, norm, eps), qkv_w, qkv_b)
     head_dim = cos.shape[-1]
     q, k, v = h.view(x.shape[0], heads + 2 * kv_heads, head_dim).split([heads, kv_heads, kv_heads], dim=1)
@@ -148,8 +150,10 @@ def _pre_attention(x, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin, keys, values
         q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
-    keys[slots, :, positions] = k.to(keys.dtype)
-    values[slots, :, positions] = v.to(values.dtype)
+    rows = ((slots[:, None] * kv_heads + torch.arange(kv_heads, device=slots.device)) * keys.shape[2]
+            + positions[:, None]).view(-1)  # (N * H) rows of the caches seen as (S * H * L, D)
+    keys.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(keys.dtype))
+    values.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(values.dtype))
     return q, k, v
 
 
