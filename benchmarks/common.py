@@ -1,5 +1,5 @@
 """Helpers shared by the benchmark scripts: the issue's model shape, `miles train` in process, its metrics, GPU time,
-copy bandwidth."""
+copy bandwidth, matmul throughput."""
 
 from __future__ import annotations
 
@@ -65,3 +65,21 @@ def copy_bandwidth(device) -> float:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return 2 * a.numel() * 4 / min(times[1:])
+
+
+def matmul_flops(device, dtype) -> float:
+    """FLOP/s of an n x n by n x n matmul in `dtype` (n 8192 on a GPU, 1024 on a CPU), the best of five timed after
+    one untimed."""
+    import torch
+
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn_like(a)
+    times = []
+    for _ in range(6):
+        start = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 2 * n ** 3 / min(times[1:])

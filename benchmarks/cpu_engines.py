@@ -12,8 +12,8 @@ prefix the prompts share, the chat template's system prompt, it still serves: th
   local         LocalEngine(model, ...).generate in a fresh process set up as `miles train` sets
                 itself up on a CPU (miles.utils.cpu_threads: OMP_WAIT_POLICY=PASSIVE before torch
                 loads, a thread per core); its `CPU threads:` line is printed;
-  local-compiled the same with --enable-torch-compile (layer functions and sampler compiled; a first
-                full-size generate, untimed, compiles them);
+  local-compiled the same with --enable-torch-compile (layer functions and sampler compiled; the
+                warm-up compiles them);
   local-torch   the same with torch's defaults (a thread per core, spin-waiting): the old behaviour;
   vllm-eager    a vLLM server (`--enforce-eager`, fp32, its default thread binding) through
                 --rollout-backend vllm's client (one request per sample);
@@ -27,11 +27,15 @@ on this CPU the loaded local row then made 0.65-0.9x of what it makes in a sessi
 Each row is measured quiet and then with `--load N` busy processes (`python -c 'while True:
 pass'`) started for it and killed after. A local row's process starts after the load has run
 `--settle` seconds, so the 1-minute load average it reads has seen the load; a vLLM server
-(started once per mode) is measured quiet, then loaded. One warm-up, then `--repeats` timed runs
-(fewer when one row's runs pass `--max-seconds`; the warm-up's prompts are the task's last ones); tok/s
-counts the tokens generated (EOS ends a
-response, so counts differ a little). Prints median, min and max per row and the ratio of
-medians to vLLM's in the same condition; `loadavg` is the 1-minute load average as a row starts.
+(started once per mode) is measured quiet, then loaded. Each row has one untimed warm-up run of the timed
+runs' size (the task's last prompts), then `--repeats` timed runs (fewer when one row's runs pass
+`--max-seconds`): the steady state of an RL run's rollouts, each step the same size. (Until 2026-12-05
+(fourteenth session) the warm-up was 4 prompts, except for local-compiled: a fresh local process then paid its
+first full-size allocations, about 0.7 s, in its first timed run, while the vLLM server's loaded rows came
+after its quiet ones.) tok/s counts the tokens generated (EOS ends a response, so counts differ a little).
+Prints median, min and max per row, the ratio of medians to vLLM's in the same condition, and each local run's
+ratio to vLLM's run on the same prompts (a run's rate moves with its prompts' response lengths, alike for
+every engine); `loadavg` is the 1-minute load average as a row starts.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ LABELS = {"local": "local (miles threads)", "local-compiled": "local compiled", 
 class Workload:
     """The demo task's prompts (chat template applied), handed out `per_run` // `group` at a time in
     order, each `group` times with a seed per sample: run r of the quiet rows gets batch r, of the
-    loaded rows batch `repeats` + r (`batch`); the warm-up takes the task's last 4 prompts."""
+    loaded rows batch `repeats` + r (`batch`); the warm-up is a run of the same size on the task's last prompts."""
 
     def __init__(self, tokenizer, per_run: int, new_tokens: int, repeats: int, group: int = 1):
         from miles.config import SamplingParams
@@ -71,7 +75,9 @@ class Workload:
         self.distinct, self.group, self.repeats = distinct, group, repeats
 
     def warm_up(self):
-        return self.prompts[-4:], self.seeds[-4:]
+        """A full run's prompts and seeds from the task's end, which no timed run takes."""
+        prompts = [p for p in self.prompts[-self.distinct:] for _ in range(self.group)]
+        return prompts, self.seeds[-len(prompts):]
 
     def batch(self, run: int, loaded: bool):
         """The run's prompts, each `group` times in a row, and one seed per sample."""
@@ -119,8 +125,6 @@ def child(kind: str, args: argparse.Namespace) -> None:
     compiled = kind == "local-compiled"
     engine = LocalEngine(model, eos_token_ids=eos_token_ids(model, tokenizer), pad_token_id=tokenizer.pad_token_id,
                          compile=compiled)
-    if compiled:  # the compile itself, at this batch size, outside the timed runs (on the warm-up's prompts)
-        engine.generate(work.prompts[-args.prompts:], work.sampling, work.seeds[-args.prompts:])
     rates = timed(engine, work, args.loaded, args.max_seconds)
     print(json.dumps({"rates": rates, "threads": f"{line}; torch threads {torch.get_num_threads()}"}), flush=True)
 
@@ -206,7 +210,7 @@ def main() -> None:
         p.error(f"--samples-per-prompt {args.samples_per_prompt} must be >= 1 and divide --prompts {args.prompts}")
     from miles.data.prompts import load_prompt_data
 
-    need = 2 * args.repeats * (args.prompts // args.samples_per_prompt) + 4  # quiet and loaded runs, the warm-up
+    need = (2 * args.repeats + 1) * (args.prompts // args.samples_per_prompt)  # quiet and loaded runs, the warm-up
     if (have := len(load_prompt_data(DEMO_TASK, "prompt", "label").records)) < need:
         p.error(f"{2 * args.repeats} runs of {args.prompts // args.samples_per_prompt} prompts and a warm-up need "
                 f"{need} prompts; {DEMO_TASK} has {have}: lower --repeats or --prompts")
@@ -252,6 +256,13 @@ def report(rows: dict, engines: list[str], conditions, args: argparse.Namespace)
             ratios = "".join(f" {med / statistics.median(rows[(r, condition)][0]):>16.2f}x" for r in refs)
             print(f"{LABELS[kind]:<24} {condition:<9} {med:>12.1f} {min(rates):>7.1f} {max(rates):>7.1f} "
                   f"{len(rates):>4} {load:>7.1f}{ratios}")
+    print("run by run on the same prompts (run i of a row against run i of vLLM's, same condition):")
+    for kind in (k for k in engines if not k.startswith("vllm")):
+        for condition, _ in conditions:
+            for r in refs:
+                pairs = [a / b for a, b in zip(rows[(kind, condition)][0], rows[(r, condition)][0])]
+                print(f"  {LABELS[kind]}, {condition}, vs {LABELS[r]}: {' '.join(f'{x:.2f}x' for x in pairs)} "
+                      f"(lowest {min(pairs):.2f}x)")
     for (kind, condition), (_, _, threads) in rows.items():
         if threads:
             print(f"{LABELS[kind]}, {condition}: {threads}")

@@ -19,7 +19,9 @@ warm-up at the same batch (which captures the CUDA graphs):
   HF generate         model.generate(do_sample=True), dynamic cache
   HF static compiled  model.generate(cache_implementation="static"), which transformers compiles (--compiled)
 tok/s counts generated tokens; "bound" is the decode bandwidth bound at that batch: the weights
-plus the mean KV read per step, at the copy bandwidth measured in the same run.
+plus the mean KV read per step, at the copy bandwidth measured in the same run (the issue's measure; it leaves out
+the prefill and the matmuls). "roofline" adds them: the prefill at the bf16 matmul throughput measured in the same
+run (an 8192^3 matmul), each decode step at the slower of its reads and its matmuls (`roofline`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import statistics
 import time
 
 import torch
-from common import QWEN_0_5B, copy_bandwidth
+from common import QWEN_0_5B, copy_bandwidth, matmul_flops
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from miles.config import SamplingParams
@@ -62,6 +64,27 @@ def timed(fn, repeats: int, device) -> list[float]:
     return out
 
 
+def roofline(model, config, batch: int, prompt_len: int, new_tokens: int, bandwidth: float, flops: float) -> float:
+    """tok/s if each phase of a generate ran at the slower of its two ceilings: the prefill's matmuls (the layers' for
+    every prompt token, attention's causal scores and sums, the LM head for the last one) at the matmul ceiling `flops`;
+    each decode step at the larger of its reads (weights and the cached keys and values, at `bandwidth`) and its
+    matmuls (the layers', attention over the step's context, the LM head, at `flops`)."""
+    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    head_dim = config.hidden_size // heads
+    layer_params = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    head_params = model.lm_head.weight.numel()
+    weights = sum(t.numel() * t.element_size() for t in model.parameters())
+    kv_per_token = 2 * layers * config.num_key_value_heads * head_dim * next(model.parameters()).element_size()
+    attention = 4 * layers * heads * head_dim  # FLOP a query spends on each key it sees (scores and sums)
+    seconds = batch * (2 * layer_params * prompt_len + attention * prompt_len * (prompt_len + 1) / 2
+                       + 2 * head_params) / flops
+    for t in range(1, new_tokens):  # the first token comes from the prefill; each step feeds the last one
+        seen = prompt_len + t
+        reads = weights + batch * seen * kv_per_token
+        work = batch * (2 * layer_params + 2 * head_params + attention * seen)
+        seconds += max(reads / bandwidth, work / flops)
+    return batch * new_tokens / seconds
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -88,13 +111,13 @@ def main() -> None:
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     weights = sum(t.numel() * t.element_size() for t in model.parameters())
-    bandwidth = copy_bandwidth(device)
+    bandwidth, flops = copy_bandwidth(device), matmul_flops(device, dtype)
     kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * (config.hidden_size //
                                                                                 config.num_attention_heads) * dtype.itemsize
     name = torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     print(f"{args.shape} ({sum(t.numel() for t in model.parameters()) / 1e6:.0f}M params, {dtype}) on {name}; "
-          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; prompts {args.prompt_len}, new tokens {args.new_tokens}, "
-          f"EOS off; {args.repeats} timed runs each (median [min, max] tok/s)", flush=True)
+          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, matmul {flops / 1e12:.3g} TFLOP/s; prompts {args.prompt_len}, "
+          f"new tokens {args.new_tokens}, EOS off; {args.repeats} timed runs each (median [min, max] tok/s)", flush=True)
     sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, top_p=1.0)
     engines = {"fast": dict(decoder="fast"), "fast-eager": dict(decoder="fast", cuda_graphs=False),
                "fast-compiled": dict(decoder="fast", compile=True), "miles-hf": dict(decoder="hf")}
@@ -110,6 +133,7 @@ def main() -> None:
         seeds = list(range(batch))
         mean_len = args.prompt_len + args.new_tokens / 2
         bound = batch * bandwidth / (weights + batch * mean_len * kv_per_token)
+        ceiling = roofline(model, config, batch, args.prompt_len, args.new_tokens, bandwidth, flops)
         for row in rows:
             try:
                 kind = row.removesuffix("-unfused").removesuffix("-torchdraw").removesuffix("-sdpa")
@@ -135,7 +159,8 @@ def main() -> None:
             base = results.get(("hf-generate", batch))
             ratio = f"{statistics.median(rates) / statistics.median(base):6.2f}x HF" if base else ""
             print(f"batch {batch:4} | {row:20} | {statistics.median(rates):9.0f} [{min(rates):.0f}, {max(rates):.0f}] "
-                  f"| {100 * statistics.median(rates) / bound:5.1f}% of bound {bound:.0f} | {ratio}", flush=True)
+                  f"| {100 * statistics.median(rates) / bound:5.1f}% of bound {bound:.0f} "
+                  f"| {100 * statistics.median(rates) / ceiling:5.1f}% of roofline {ceiling:.0f} | {ratio}", flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     print("ratios to HF generate (median / median; every run's min over HF's max in brackets):")
