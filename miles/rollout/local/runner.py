@@ -140,9 +140,9 @@ def _pre_attention(x, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin, keys, values
                    kv_heads: int, eps: float):
     """Tokens x (N, hidden) -> queries (N, Q, D), keys and values (N, H, D), RoPE applied; the keys and values also
     written into the cache `keys` and `values` (S, H, L, D) at (slots[j], positions[j]), as rows of the caches seen
-    as (S * H * L, D) by `index_copy_`: on a CPU with passive OpenMP threads `index_put_` opened a parallel region
-    for each write, whose thread wake-up cost 70 us of the 8 us the write takes (BENCHMARKS.md, 2026-12-05). Under
-    torch.compile the writes fuse into the kernel that applies RoPE."""
+    as (S * H * L, D) by `index_copy_`. (On a CPU with passive OpenMP threads `index_put_` opened a parallel region
+    for each write, and waking its sleeping thread cost about 70 us where the write takes 8: BENCHMARKS.md,
+    2026-12-05.) Under torch.compile the writes fuse into the kernel that applies RoPE."""
     h = _linear(_rms_norm(x, norm, eps), qkv_w, qkv_b)
     head_dim = cos.shape[-1]
     q, k, v = h.view(x.shape[0], heads + 2 * kv_heads, head_dim).split([heads, kv_heads, kv_heads], dim=1)
