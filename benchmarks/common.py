@@ -50,6 +50,20 @@ def gpu_times(fn, repeats: int = 5, calls: int = 20) -> list[float]:
     return times
 
 
+def fastest_seconds(fn, device, runs: int = 5) -> float:
+    """The shortest of `runs` timed calls of FN (each waited for on a GPU), after one untimed."""
+    import torch
+
+    times = []
+    for _ in range(runs + 1):
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
+
+
 def copy_bandwidth(device) -> float:
     """Bytes/s of a device-to-device copy of 1 GiB (read + write counted; 64 MiB on a CPU)."""
     import torch
@@ -57,29 +71,14 @@ def copy_bandwidth(device) -> float:
     n = (1 << 30) // 4 if device.type == "cuda" else (1 << 26)
     a = torch.empty(n, dtype=torch.float32, device=device)
     b = torch.empty_like(a)
-    times = []
-    for _ in range(6):  # the first, untimed, warms up
-        start = time.perf_counter()
-        b.copy_(a)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return 2 * a.numel() * 4 / min(times[1:])
+    return 2 * a.numel() * 4 / fastest_seconds(lambda: b.copy_(a), device)
 
 
 def matmul_flops(device, dtype) -> float:
-    """FLOP/s of an n x n by n x n matmul in `dtype` (n 8192 on a GPU, 1024 on a CPU), the best of five timed after
-    one untimed."""
+    """FLOP/s of an n x n by n x n matmul in `dtype` (n 8192 on a GPU, 1024 on a CPU), the fastest of five."""
     import torch
 
     n = 8192 if device.type == "cuda" else 1024
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn_like(a)
-    times = []
-    for _ in range(6):
-        start = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return 2 * n ** 3 / min(times[1:])
+    return 2 * n ** 3 / fastest_seconds(lambda: a @ b, device)

@@ -64,18 +64,16 @@ def timed(fn, repeats: int, device) -> list[float]:
     return out
 
 
-def roofline(model, config, batch: int, prompt_len: int, new_tokens: int, bandwidth: float, flops: float) -> float:
+def roofline(model, config, batch: int, prompt_len: int, new_tokens: int, weights: int, kv_per_token: int,
+             bandwidth: float, flops: float) -> float:
     """tok/s if each phase of a generate ran at the slower of its two ceilings: the prefill's matmuls (the layers' for
     every prompt token, attention's causal scores and sums, the LM head for the last one) at the matmul ceiling `flops`;
-    each decode step at the larger of its reads (weights and the cached keys and values, at `bandwidth`) and its
-    matmuls (the layers', attention over the step's context, the LM head, at `flops`)."""
+    each decode step at the larger of its reads (the `weights` bytes and `kv_per_token` bytes of each cached token,
+    at `bandwidth`) and its matmuls (the layers', attention over the step's context, the LM head, at `flops`)."""
     layers, heads = config.num_hidden_layers, config.num_attention_heads
-    head_dim = config.hidden_size // heads
     layer_params = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
     head_params = model.lm_head.weight.numel()
-    weights = sum(t.numel() * t.element_size() for t in model.parameters())
-    kv_per_token = 2 * layers * config.num_key_value_heads * head_dim * next(model.parameters()).element_size()
-    attention = 4 * layers * heads * head_dim  # FLOP a query spends on each key it sees (scores and sums)
+    attention = 4 * layers * heads * (config.hidden_size // heads)  # FLOP a query spends on each key it sees
     seconds = batch * (2 * layer_params * prompt_len + attention * prompt_len * (prompt_len + 1) / 2
                        + 2 * head_params) / flops
     for t in range(1, new_tokens):  # the first token comes from the prefill; each step feeds the last one
@@ -84,6 +82,7 @@ def roofline(model, config, batch: int, prompt_len: int, new_tokens: int, bandwi
         work = batch * (2 * layer_params + 2 * head_params + attention * seen)
         seconds += max(reads / bandwidth, work / flops)
     return batch * new_tokens / seconds
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -133,7 +132,8 @@ def main() -> None:
         seeds = list(range(batch))
         mean_len = args.prompt_len + args.new_tokens / 2
         bound = batch * bandwidth / (weights + batch * mean_len * kv_per_token)
-        ceiling = roofline(model, config, batch, args.prompt_len, args.new_tokens, bandwidth, flops)
+        ceiling = roofline(model, config, batch, args.prompt_len, args.new_tokens, weights, kv_per_token, bandwidth,
+                           flops)
         for row in rows:
             try:
                 kind = row.removesuffix("-unfused").removesuffix("-torchdraw").removesuffix("-sdpa")

@@ -332,7 +332,6 @@ def test_a_decode_step_in_the_fused_kernels_makes_the_tokens_of_the_layer_functi
         assert a.log_probs == pytest.approx(b.log_probs, abs=1e-5)
 
 
-
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 def test_under_the_mode_the_decode_keeps_to_the_layer_functions_where_rows_are_wider_than_the_exact_mean(
         tiny_qwen, monkeypatch):
@@ -357,6 +356,7 @@ def test_under_the_mode_the_decode_keeps_to_the_layer_functions_where_rows_are_w
     assert runner._fused_kernels() is None
     monkeypatch.setattr(invariant, "enabled", lambda: False)
     assert runner._fused_kernels() is decode_fused
+
 
 def test_sampling_at_a_large_vocabulary_follows_the_reported_distribution():
     """At Qwen's 151,936 tokens with a long tail: the distribution the inverse CDF samples (each

@@ -165,6 +165,7 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, tiles: 
 
 ROW_MEAN_MAX = 16384  # the widest row the kernel's exact mean takes (one block); wider rows take torch's sum
 
+
 def mean_dim(x: torch.Tensor, dim, keepdim: bool = False, *, dtype=None) -> torch.Tensor:
     dims = [d % x.dim() for d in dim] if dim and x.dim() else list(range(x.dim()))  # none or []: every dim
     if dtype is not None:
