@@ -236,8 +236,7 @@ class SlotBatch:
         if movers:
             taken = set(self.slots)
             holes = [s for s in range(size) if s not in taken][: len(movers)]
-            self.runner.cache.move(torch.tensor([self.slots[i] for i in movers], device=self.device),
-                                   torch.tensor(holes, device=self.device))
+            self.runner.cache.move([self.slots[i] for i in movers], holes)
             for i, hole in zip(movers, holes):
                 self.slots[i] = hole
 

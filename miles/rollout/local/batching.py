@@ -151,9 +151,9 @@ class _Call:
         if not movers:
             return occupied
         holes = [s for s in range(size) if self.owner[s] is None][: len(movers)]
+        self.runner.cache.move(movers, holes)
         src = torch.tensor(movers, device=self.b.device)
         dst = torch.tensor(holes, device=self.b.device)
-        self.runner.cache.move(src, dst)
         for t in (self.req, self.made, self.pos, self.last, self.done, self.stopped):
             t[dst] = t[src]
         self.req[src] = self.n

@@ -3,7 +3,7 @@
 The runner keeps the model's modules (embeddings, norms, projections, MLPs, the LM head; so the
 numbers are the model's own, and weight updates reach it as they reach the model) and replaces
 only attention and its cache:
-  - `SlotKVCache`: per layer one (S, H, L, D) key and one value tensor, allocated once. A sequence
+  - `SlotKVCache`: per layer an (S, H, L, D) key and value tensor, views of one tensor allocated once. A sequence
     owns a slot; its token at position p is cached at column p of its slot.
   - prefill: the prompts of a batch packed into one row of tokens (no padding), attention per
     prompt (miles.utils.varlen: torch's `varlen_attn` on a GPU in bf16, one causal SDPA per prompt on the CPU),
@@ -87,10 +87,14 @@ def bucket(n: int, sizes: list[int]) -> int:
 
 
 class SlotKVCache:
+    """Every layer's keys and values in one (2, layers, S, H, L, D) tensor; `keys[i]` and `values[i]` are layer i's
+    (S, H, L, D) views. One tensor lets a slot's columns move for every layer in one copy: moving two slots as 60
+    per-layer indexed copies took 9.9 ms on the 2-core CPU (each opened a parallel region whose sleeping thread had
+    to be woken), one basic-slice copy per slot 0.6 ms (BENCHMARKS.md, 2026-12-05)."""
+
     def __init__(self, *, layers: int, slots: int, length: int, kv_heads: int, head_dim: int, dtype, device):
-        shape = (slots, kv_heads, length, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.data = torch.zeros((2, layers, slots, kv_heads, length, head_dim), dtype=dtype, device=device)
+        self.keys, self.values = list(self.data[0]), list(self.data[1])
         self.slots, self.length = slots, length
 
     @staticmethod
@@ -98,17 +102,17 @@ class SlotKVCache:
         return 2 * layers * kv_heads * length * head_dim * torch.empty(0, dtype=dtype).element_size()
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        return self.data.numel() * self.data.element_size()
 
-    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copies slots src -> dst (index tensors) in every layer."""
-        for t in self.keys + self.values:
-            t[dst] = t[src]
+    def move(self, src: list[int], dst: list[int]) -> None:
+        """Copies slot src[j] to slot dst[j] in every layer (no slot both a source and a destination)."""
+        self.copy_columns(src, dst, self.length)
 
-    def copy_columns(self, src: torch.Tensor, dst: torch.Tensor, columns: int) -> None:
-        """Copies columns [0, columns) of slots src -> dst (index tensors) in every layer."""
-        for t in self.keys + self.values:
-            t[dst, :, :columns] = t[src, :, :columns]
+    def copy_columns(self, src: list[int], dst: list[int], columns: int) -> None:
+        """Copies columns [0, columns) of slot src[j] to slot dst[j] in every layer, one copy per pair (a source may
+        repeat; no slot both a source and a destination)."""
+        for s, d in zip(src, dst):
+            self.data[:, :, d, :, :columns] = self.data[:, :, s, :, :columns]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -321,8 +325,7 @@ class ModelRunner:
         self.cache = SlotKVCache(layers=self.num_layers, slots=slots, length=length, kv_heads=self.kv_heads,
                                  head_dim=self.head_dim, dtype=self.dtype, device=self.device)
         if old is not None:
-            for new_t, old_t in zip(self.cache.keys + self.cache.values, old.keys + old.values):
-                new_t[: old.slots, :, : old.length] = old_t
+            self.cache.data[:, :, : old.slots, :, : old.length] = old.data
         # A bucket pays off as a captured graph; without graphs a step runs at its live rows' count.
         self.buckets = ([b for b in batch_buckets(slots) if b < slots] + [slots] if self.cuda_graphs
                         else list(range(1, slots + 1)))
@@ -404,8 +407,7 @@ class ModelRunner:
             return self._prefill(slots, prompts, keep)
         logits = self._prefill([slots[i] for i in unique], [prompts[i] for i in unique], [keep[i] for i in unique])
         copies = [i for i, s in enumerate(source) if s != i]
-        self.cache.copy_columns(torch.tensor([slots[source[i]] for i in copies], device=self.device),
-                                torch.tensor([slots[i] for i in copies], device=self.device),
+        self.cache.copy_columns([slots[source[i]] for i in copies], [slots[i] for i in copies],
                                 max(len(prompts[i]) for i in copies))
         start, at = {}, 0  # each unique prompt's first logits row
         for i in unique:
@@ -420,8 +422,7 @@ class ModelRunner:
         shared = self._shared_prefix(prompts, keep)
         if shared:
             self._forward([slots[0]], [prompts[0][:shared]], 0, None)
-            self.cache.copy_columns(torch.tensor(slots[:1] * (len(slots) - 1), device=self.device),
-                                    torch.tensor(slots[1:], device=self.device), shared)
+            self.cache.copy_columns(slots[:1] * (len(slots) - 1), slots[1:], shared)
         return self._forward(slots, [p[shared:] for p in prompts], shared, keep)
 
     def _shared_prefix(self, prompts: list[list[int]], keep: list[int]) -> int:
@@ -588,15 +589,14 @@ class ModelRunner:
         """Captures the (batch, width) step reading the shared input buffers, writing the logits buffer."""
         tokens, positions, out = self._tokens[:batch], self._positions[:batch], self._logits[:batch]
         positions.zero_()  # the warm-up runs write column 0 of slots [0, batch): kept and put back
-        kept = [t[:batch, :, 0].clone() for t in self.cache.keys + self.cache.values]
+        kept = self.cache.data[:, :, :batch, :, 0].clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up outside the capture: kernels chosen, workspaces allocated
                 self._decode_step(batch, width, tokens, positions, out)
         torch.cuda.current_stream().wait_stream(side)
-        for t, column in zip(self.cache.keys + self.cache.values, kept):
-            t[:batch, :, 0] = column
+        self.cache.data[:, :, :batch, :, 0] = kept
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
