@@ -28,6 +28,11 @@ def tiny_qwen(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> Path:
+    return build_model_dir(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
 def prompt_file(tmp_path_factory) -> Path:
     return write_prompts(tmp_path_factory.mktemp("data") / "prompts.jsonl")
 

@@ -468,6 +468,23 @@ def test_kv_cache_decode_matches_the_eager_reference(tiny_model, tiny_qwen, path
         assert engine.runner.cache.slots == 3
 
 
+def test_the_fast_path_decodes_qwen3s_per_head_norms_as_the_eager_reference(tiny_qwen3):
+    """Qwen3 normalises each query and key head before RoPE (the layer function's q/k-norm branch): the fast path
+    gives the tokens of decoding each prompt alone without a cache, log-probs within fp32 noise."""
+    plain, tok = make_engine(tiny_qwen3)
+    engine = LocalEngine(plain.model, eos_token_ids=plain.eos_token_ids, pad_token_id=tok.pad_token_id)
+    assert engine.runner is not None and engine.runner._weights == []  # the fast path, its weights fused at first use
+    prompts = [tok(t)["input_ids"] for t in ("hello", "a much longer prompt", "x", "what is seven plus two?")]
+    sampling = sp(24, 1.0, 1.0)
+    u = torch.rand(len(prompts), 24, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    got = engine.decode(prompts, sampling, u)
+    assert engine.runner._weights[0].q_norm is not None
+    want = eager_decode(engine.model, prompts, sampling, u, set(engine.eos_token_ids), tok.pad_token_id)
+    for out, (tokens, logps) in zip(got, want):
+        assert out.token_ids == tokens
+        assert out.log_probs == pytest.approx(logps, abs=1e-5)
+
+
 def test_the_compiled_fast_path_decodes_what_the_eager_reference_decodes(tiny_qwen):
     """--enable-torch-compile: the layers through Inductor, the cache writes fused into the RoPE kernel (prefill
     and decode), give the tokens of decoding each prompt alone without a cache."""

@@ -41,6 +41,8 @@ def build_model_dir(path: Path, arch: str = "llama", seed: int = 0, *, hidden_si
         LlamaForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     from miles.utils.models import quiet_transformers
@@ -51,7 +53,10 @@ def build_model_dir(path: Path, arch: str = "llama", seed: int = 0, *, hidden_si
                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
                   tie_word_embeddings=False)
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                             "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
+    if arch == "qwen3":  # per-head q/k norms before RoPE; its head dim is a field of its own
+        common["head_dim"] = hidden_size // common["num_attention_heads"]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**common))
     # Random init predicts near-uniformly; sharpen the output layer so sampling has preferences and

@@ -140,22 +140,27 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
 
 
-def _pre_attention(x, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin, keys, values, slots, positions, *, heads: int,
-                   kv_heads: int, eps: float):
-    """Tokens x (N, hidden) -> queries (N, Q, D), keys and values (N, H, D), RoPE applied; the keys and values also
-    written into the cache `keys` and `values` (S, H, L, D) at (slots[j], positions[j]), as rows of the caches seen
-    as (S * H * L, D) by `index_copy_`. (On a CPU with passive OpenMP threads `index_put_` opened a parallel region
-    for each write, and waking its sleeping thread cost about 70 us where the write takes 8: BENCHMARKS.md,
-    2026-12-05.) Under torch.compile the writes fuse into the kernel that applies RoPE."""
+def _cache_rows(slots: torch.Tensor, positions: torch.Tensor, kv_heads: int, length: int) -> torch.Tensor:
+    """The (N * H) rows of a layer's cache seen as (S * H * L, D) that tokens at (slots[j], positions[j]) write: the
+    same in every layer, so made once a forward."""
+    heads = torch.arange(kv_heads, device=slots.device)
+    return ((slots[:, None] * kv_heads + heads) * length + positions[:, None]).view(-1)
+
+
+def _pre_attention(x, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin, keys, values, rows, *, heads: int, kv_heads: int,
+                   eps: float):
+    """Tokens x (N, hidden) -> queries (N, Q, D), keys and values (N, H, D), RoPE applied (to the queries and keys in
+    one pass); the keys and values also written into the cache `keys` and `values` (S, H, L, D) at `rows` (_cache_rows)
+    of the caches seen as (S * H * L, D), by `index_copy_`. (On a CPU with passive OpenMP threads `index_put_` opened a
+    parallel region for each write, and waking its sleeping thread cost about 70 us where the write takes 8:
+    BENCHMARKS.md, 2026-12-05.) Under torch.compile the writes fuse into the kernel that applies RoPE."""
     h = _linear(_rms_norm(x, norm, eps), qkv_w, qkv_b)
     head_dim = cos.shape[-1]
-    q, k, v = h.view(x.shape[0], heads + 2 * kv_heads, head_dim).split([heads, kv_heads, kv_heads], dim=1)
+    qk, v = h.view(x.shape[0], heads + 2 * kv_heads, head_dim).split([heads + kv_heads, kv_heads], dim=1)
     if q_norm is not None:  # Qwen3: per-head norms before RoPE
-        q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
-    rows = ((slots[:, None] * kv_heads + torch.arange(kv_heads, device=slots.device)) * keys.shape[2]
-            + positions[:, None]).view(-1)  # (N * H) rows of the caches seen as (S * H * L, D)
+        q, k = qk.split([heads, kv_heads], dim=1)
+        qk = torch.cat([_rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)], dim=1)
+    q, k = (qk * cos + _rotate_half(qk) * sin).split([heads, kv_heads], dim=1)
     keys.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(keys.dtype))
     values.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(values.dtype))
     return q, k, v
@@ -358,13 +363,16 @@ class ModelRunner:
         dtype = autocast_dtype(self.device.type) if self.dtype == torch.float32 else None
         return dtype if dtype != torch.float32 else None
 
-    def _qkv(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-             positions: torch.Tensor):
-        """Layer i's queries, keys and values of tokens x at (slots, positions), the keys and values cached there."""
+    def _rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The cache rows tokens at (slots, positions) write, in every layer (_cache_rows)."""
+        return _cache_rows(slots, positions, self.kv_heads, self.cache.length)
+
+    def _qkv(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor):
+        """Layer i's queries, keys and values of tokens x, the keys and values cached at `rows` (self._rows)."""
         w, cast = self._weights[i], self._cast()
         return self._pre(x, w.norm, w.projections(cast)[0], w.biases(cast)[0], w.q_norm, w.k_norm, cos, sin,
-                         self.cache.keys[i], self.cache.values[i], slots, positions, heads=self.q_heads,
-                         kv_heads=self.kv_heads, eps=self.eps)
+                         self.cache.keys[i], self.cache.values[i], rows, heads=self.q_heads, kv_heads=self.kv_heads,
+                         eps=self.eps)
 
     def _finish_layer(self, i: int, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         w, cast = self._weights[i], self._cast()
@@ -446,10 +454,10 @@ class ModelRunner:
         for n in lengths:
             starts.append(starts[-1] + n)
         cu_seq_lens = torch.tensor(starts, dtype=torch.int32, device=self.device)  # (B + 1,)
-        cos, sin = self._cos[positions], self._sin[positions]
+        cos, sin, rows = self._cos[positions], self._sin[positions], self._rows(slot_of, positions)
         x = self.inner.embed_tokens(tokens)  # (N, hidden)
         for i in range(self.num_layers):
-            q, k, v = self._qkv(i, x, cos, sin, slot_of, positions)
+            q, k, v = self._qkv(i, x, cos, sin, rows)
             if start:
                 attended = self._after_prefix(i, q, slots, lengths, start)
             else:
@@ -498,7 +506,7 @@ class ModelRunner:
     def _decode_step(self, batch: int, width: int, tokens: torch.Tensor, positions: torch.Tensor,
                      out: torch.Tensor | None = None) -> torch.Tensor:
         kernel, shared = self._decode_kernel(), None  # what every layer's attention of the step reads alike
-        if invariant.enabled() and self.device.type == "cuda":  # the mode's attention tiles
+        if self._mode_attention():  # the mode's attention tiles
             shared = invariant.slot_tiles(self.q_heads, self.cache.keys[0], positions)
         elif kernel is None:  # SDPA's additive (b, 1, 1, Lb) mask, shared by the g queries of each KV head (the same
             # bits as a boolean mask, which SDPA turns into this; on the CPU 9-11% faster a call: BENCHMARKS.md, 2026-12-06)
@@ -512,9 +520,10 @@ class ModelRunner:
                 delta = self._fused_layer(fused, kernel, i, x, delta, positions, shared, width)
             return self._lm_head(x, out, norm=lambda h: fused.rms_norm(h, self.inner.norm.weight, self.eps, delta,
                                                                         self._cast(), invariant.enabled()))
-        cos, sin, rows = self._cos[positions], self._sin[positions], torch.arange(batch, device=self.device)
+        cos, sin = self._cos[positions], self._sin[positions]
+        rows = self._rows(torch.arange(batch, device=self.device), positions)
         for i in range(self.num_layers):
-            q, _, _ = self._qkv(i, x, cos, sin, rows, positions)
+            q, _, _ = self._qkv(i, x, cos, sin, rows)
             attended = self._decode_attention(kernel, q, self.cache.keys[i], self.cache.values[i], positions, shared,
                                               width)
             x = self._finish_layer(i, x, attended)
@@ -566,6 +575,11 @@ class ModelRunner:
 
         return decode_attention if decode_attention.supported(self.cache.keys[0]) else None
 
+    def _mode_attention(self) -> bool:
+        """Whether decode attention runs --true-on-policy-mode's kernel (the mode on a GPU): the trainer's attention over
+        tiles made once a step."""
+        return invariant.enabled() and self.device.type == "cuda"
+
     def _decode_attention(self, kernel, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                           positions: torch.Tensor, shared, width: int) -> torch.Tensor:
         """Decode attention of slots [0, b)'s queries q (b, Q, D): under --true-on-policy-mode what the trainer's
@@ -573,7 +587,7 @@ class ModelRunner:
         KERNEL, which reads each slot only up to its position; without one, SDPA over the width bucket under the
         (b, 1, 1, Lb) mask `shared`, the g query heads of a KV head as g queries of one head."""
         batch = q.shape[0]
-        if invariant.enabled() and q.is_cuda:
+        if self._mode_attention():
             return invariant.slot_attention(q, keys, values, positions, self.scaling, shared)
         q = q.to(self.dtype)
         if kernel is not None:
