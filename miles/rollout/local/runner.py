@@ -90,7 +90,7 @@ class SlotKVCache:
     """Every layer's keys and values in one (2, layers, S, H, L, D) tensor; `keys[i]` and `values[i]` are layer i's
     (S, H, L, D) views. One tensor lets a slot's columns move for every layer in one copy: moving two slots as 60
     per-layer indexed copies took 9.9 ms on the 2-core CPU (each opened a parallel region whose sleeping thread had
-    to be woken), one basic-slice copy per slot 0.6 ms (BENCHMARKS.md, 2026-12-05)."""
+    to be woken), one basic-slice copy per slot 0.6 ms (BENCHMARKS.md, 2026-12-06)."""
 
     def __init__(self, *, layers: int, slots: int, length: int, kv_heads: int, head_dim: int, dtype, device):
         self.data = torch.zeros((2, layers, slots, kv_heads, length, head_dim), dtype=dtype, device=device)
