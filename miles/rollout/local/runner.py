@@ -508,8 +508,8 @@ class ModelRunner:
         kernel, shared = self._decode_kernel(), None  # what every layer's attention of the step reads alike
         if self._mode_attention():  # the mode's attention tiles
             shared = invariant.slot_tiles(self.q_heads, self.cache.keys[0], positions)
-        elif kernel is None:  # SDPA's additive (b, 1, 1, Lb) mask, shared by the g queries of each KV head (the same
-            # bits as a boolean mask, which SDPA turns into this; on the CPU 9-11% faster a call: BENCHMARKS.md, 2026-12-06)
+        elif kernel is None:  # SDPA's additive (b, 1, 1, Lb) mask, shared by the g queries of each KV head (the
+            # same bits as a boolean one, which SDPA turns into this; 9-11% faster a call on the CPU: BENCHMARKS.md)
             hidden = torch.arange(width, device=self.device)[None] > positions[:, None]
             shared = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device).masked_fill_(hidden, float("-inf"))
             shared = shared[:, None, None, :]
@@ -576,8 +576,8 @@ class ModelRunner:
         return decode_attention if decode_attention.supported(self.cache.keys[0]) else None
 
     def _mode_attention(self) -> bool:
-        """Whether decode attention runs --true-on-policy-mode's kernel (the mode on a GPU): the trainer's attention over
-        tiles made once a step."""
+        """Whether decode attention runs --true-on-policy-mode's kernel (the mode on a GPU): the trainer's attention
+        over tiles made once a step."""
         return invariant.enabled() and self.device.type == "cuda"
 
     def _decode_attention(self, kernel, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
