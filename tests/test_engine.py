@@ -471,8 +471,7 @@ def test_kv_cache_decode_matches_the_eager_reference(tiny_model, tiny_qwen, path
 def test_the_fast_path_decodes_qwen3s_per_head_norms_as_the_eager_reference(tiny_qwen3):
     """Qwen3 normalises each query and key head before RoPE (the layer function's q/k-norm branch): the fast path
     gives the tokens of decoding each prompt alone without a cache, log-probs within fp32 noise."""
-    plain, tok = make_engine(tiny_qwen3)
-    engine = LocalEngine(plain.model, eos_token_ids=plain.eos_token_ids, pad_token_id=tok.pad_token_id)
+    engine, tok = make_engine(tiny_qwen3)
     assert engine.runner is not None and engine.runner._weights == []  # the fast path, its weights fused at first use
     prompts = [tok(t)["input_ids"] for t in ("hello", "a much longer prompt", "x", "what is seven plus two?")]
     sampling = sp(24, 1.0, 1.0)

@@ -140,20 +140,13 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
 
 
-def _cache_rows(slots: torch.Tensor, positions: torch.Tensor, kv_heads: int, length: int) -> torch.Tensor:
-    """The (N * H) rows of a layer's cache seen as (S * H * L, D) that tokens at (slots[j], positions[j]) write: the
-    same in every layer, so made once a forward."""
-    heads = torch.arange(kv_heads, device=slots.device)
-    return ((slots[:, None] * kv_heads + heads) * length + positions[:, None]).view(-1)
-
-
 def _pre_attention(x, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin, keys, values, rows, *, heads: int, kv_heads: int,
                    eps: float):
     """Tokens x (N, hidden) -> queries (N, Q, D), keys and values (N, H, D), RoPE applied (to the queries and keys in
-    one pass); the keys and values also written into the cache `keys` and `values` (S, H, L, D) at `rows` (_cache_rows)
-    of the caches seen as (S * H * L, D), by `index_copy_`. (On a CPU with passive OpenMP threads `index_put_` opened a
-    parallel region for each write, and waking its sleeping thread cost about 70 us where the write takes 8:
-    BENCHMARKS.md, 2026-12-05.) Under torch.compile the writes fuse into the kernel that applies RoPE."""
+    one pass); the keys and values also written into the cache `keys` and `values` (S, H, L, D) at `rows`
+    (ModelRunner._rows) of the caches seen as (S * H * L, D), by `index_copy_`. (On a CPU with passive OpenMP threads
+    `index_put_` opened a parallel region for each write, and waking its sleeping thread cost about 70 us where the
+    write takes 8: BENCHMARKS.md, 2026-12-05.) Under torch.compile the writes fuse into the kernel that applies RoPE."""
     h = _linear(_rms_norm(x, norm, eps), qkv_w, qkv_b)
     head_dim = cos.shape[-1]
     qk, v = h.view(x.shape[0], heads + 2 * kv_heads, head_dim).split([heads + kv_heads, kv_heads], dim=1)
@@ -364,8 +357,10 @@ class ModelRunner:
         return dtype if dtype != torch.float32 else None
 
     def _rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The cache rows tokens at (slots, positions) write, in every layer (_cache_rows)."""
-        return _cache_rows(slots, positions, self.kv_heads, self.cache.length)
+        """The (N * H) rows of a layer's cache seen as (S * H * L, D) that tokens at (slots[j], positions[j]) write:
+        the same in every layer, so made once a forward."""
+        heads = torch.arange(self.kv_heads, device=slots.device)
+        return ((slots[:, None] * self.kv_heads + heads) * self.cache.length + positions[:, None]).view(-1)
 
     def _qkv(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor):
         """Layer i's queries, keys and values of tokens x, the keys and values cached at `rows` (self._rows)."""
