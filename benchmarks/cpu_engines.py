@@ -126,7 +126,10 @@ def child(kind: str, args: argparse.Namespace) -> None:
     engine = LocalEngine(model, eos_token_ids=eos_token_ids(model, tokenizer), pad_token_id=tokenizer.pad_token_id,
                          compile=compiled)
     rates = timed(engine, work, args.loaded, args.max_seconds)
-    print(json.dumps({"rates": rates, "threads": f"{line}; torch threads {torch.get_num_threads()}"}), flush=True)
+    line = f"{line}; torch threads {torch.get_num_threads()}"
+    if (tuner := getattr(engine.decoder, "step_threads", None)) is not None:  # miles.utils.cpu_threads.StepThreads
+        line += f"; decode steps on {tuner.current} at the end ({tuner.changes} changes)"
+    print(json.dumps({"rates": rates, "threads": line}), flush=True)
 
 
 def run_child(kind: str, args: argparse.Namespace, loaded: bool) -> tuple[list[float], str]:

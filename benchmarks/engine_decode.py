@@ -36,6 +36,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from miles.config import SamplingParams
 from miles.rollout.local import LocalEngine
+from miles.rollout.local import engine as engine_module
 from miles.rollout import sampling as sampling_module
 from miles.rollout.local.runner import ModelRunner
 
@@ -92,6 +93,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[32, 128, 512])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--prefill-tokens", type=int, default=None,
+                   help="the fast engine's packed prompt tokens per prefill forward (default: the engine's)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rows", default="fast,fast-eager,hf-generate",
                    help="fast,fast-eager,fast-compiled,miles-hf,hf-generate,hf-static-compiled; fast* rows also with "
@@ -102,6 +105,8 @@ def main() -> None:
                    help="--profile's engines with torch.compile'd layer functions (--enable-torch-compile)")
     p.add_argument("--compiled", action="store_true", help="add HF generate with a static cache under torch.compile")
     args = p.parse_args()
+    if args.prefill_tokens:
+        engine_module.PREFILL_TOKENS[args.device.split(":")[0]] = args.prefill_tokens
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     torch.manual_seed(0)

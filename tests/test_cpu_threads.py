@@ -114,3 +114,88 @@ def test_vllm_is_started_eager_unless_the_benchmark_asks_for_its_compiled_mode()
                               weight_version=0, device="cpu", **extra)[0]
 
     assert "--enforce-eager" in command() and "--enforce-eager" not in command(enforce_eager=False)
+
+
+def feed(tuner, seconds_on: dict[int, float], steps: int, rows: int = 8) -> list[int]:
+    """STEPS steps through TUNER, each taking seconds_on[threads]; the thread count of each."""
+    counts = []
+    for _ in range(steps):
+        n = tuner.count()
+        counts.append(n)
+        tuner.record(n, rows, seconds_on[n])
+    return counts
+
+
+def test_step_threads_move_to_fewer_threads_when_their_steps_are_faster_and_log_it(caplog):
+    tuner = cpu_threads.StepThreads(2)
+    with caplog.at_level(logging.INFO, logger="miles"):
+        counts = feed(tuner, {2: 0.36, 1: 0.24}, 40)
+    first = tuner.FIRST_WINDOW
+    assert counts[:first] == [2] * first  # all threads until the first probe
+    assert counts[first:first + 1 + tuner.PROBE] == [1] * (1 + tuner.PROBE)  # the probe: 1 settling + PROBE steps
+    assert tuner.current == 1 and counts[-1] == 1
+    assert [r.getMessage() for r in caplog.records][0] == (
+        "CPU threads: decode steps now on 1 of 2 threads (3 steps took 240 ms each on 1, against 360 ms on 2)")
+
+
+def test_step_threads_stay_when_the_probe_is_slower_and_probe_less_and_less_often():
+    tuner = cpu_threads.StepThreads(2)
+    counts = feed(tuner, {2: 0.11, 1: 0.15}, 200)
+    assert tuner.current == 2
+    probes = [i for i in range(1, len(counts)) if counts[i] == 1 and counts[i - 1] == 2]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(probes) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0]  # the window doubles
+    assert sum(c == 1 for c in counts) == len(probes) * (1 + tuner.PROBE)
+
+
+def test_step_threads_go_back_when_the_machine_is_quiet_again():
+    tuner = cpu_threads.StepThreads(4)
+    feed(tuner, {4: 0.4, 2: 0.2, 1: 0.3}, 60)  # busy: 2 is best (4 -> 2; 1 was tried and lost)
+    assert tuner.current == 2
+    feed(tuner, {4: 0.1, 2: 0.2, 1: 0.3}, 400)  # quiet again
+    assert tuner.current == 4
+
+
+def test_a_probe_across_finished_rows_is_not_judged():
+    tuner = cpu_threads.StepThreads(2)
+    feed(tuner, {2: 0.36, 1: 0.24}, tuner.FIRST_WINDOW, rows=32)
+    feed(tuner, {2: 0.36, 1: 0.24}, 1 + tuner.PROBE, rows=16)  # half the rows: faster for that reason alone
+    assert tuner.current == 2
+
+
+def test_the_engine_tunes_only_where_miles_chose_the_threads(tiny_model, monkeypatch, threads_restored):
+    from test_engine import make_engine
+
+    from miles.config import SamplingParams
+
+    engine, tok = make_engine(tiny_model)
+    ran_on = []
+    real_decode = engine.runner.decode
+
+    def decode(*args, **kw):
+        ran_on.append(torch.get_num_threads())
+        return real_decode(*args, **kw)
+
+    monkeypatch.setattr(engine.runner, "decode", decode)
+    sampling = SamplingParams(max_new_tokens=40, temperature=1.0, top_p=1.0)
+    prompts = [tok(t)["input_ids"] for t in ("hello", "a longer prompt")]
+    torch.set_num_threads(2)
+    monkeypatch.setattr(cpu_threads, "_chosen_by_miles", False)  # --cpu-threads, OMP_NUM_THREADS, or no setup
+    engine.generate(prompts, sampling, [1, 2])
+    assert set(ran_on) == {2} and engine.decoder.step_threads is None
+
+    monkeypatch.setattr(cpu_threads, "_chosen_by_miles", True)
+    monkeypatch.setattr(cpu_threads.StepThreads, "FIRST_WINDOW", 2)
+    ran_on.clear()
+    engine.generate(prompts, sampling, [1, 2])
+    assert 1 in ran_on and 2 in ran_on  # a probe ran on 1 thread
+    monkeypatch.setattr(cpu_threads.StepThreads, "count", lambda self: 1)  # every step on 1 thread
+    ran_on.clear()
+    engine.generate(prompts, sampling, [1, 2])
+    assert set(ran_on) == {1} and torch.get_num_threads() == 2  # the process's count again after the call
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        assert not cpu_threads.step_threads_allowed()  # a deterministic run keeps its count
+    finally:
+        torch.use_deterministic_algorithms(False)

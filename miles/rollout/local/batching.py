@@ -25,6 +25,7 @@ writes of free slots and finished rows.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -34,6 +35,7 @@ from miles.config import SamplingParams
 from miles.rollout.engine import GenerationOutput
 from miles.rollout.local.runner import ModelRunner, bucket
 from miles.rollout.sampling import compiled_sample_tokens, sample_tokens
+from miles.utils.cpu_threads import StepThreads, step_threads_allowed
 
 logger = logging.getLogger("miles")
 
@@ -49,6 +51,16 @@ class ContinuousBatcher:
         self.prefill_tokens = prefill_tokens  # packed tokens per prefill forward, at most
         self.device = runner.device
         self.eos = torch.tensor(eos_token_ids, dtype=torch.long, device=self.device)
+        self.step_threads: StepThreads | None = None  # the CPU decode's thread count, kept across calls
+
+    def _tuner(self) -> StepThreads | None:
+        """The CPU decode's StepThreads where it may tune (cpu_threads.step_threads_allowed), else None."""
+        if self.device.type != "cpu" or not step_threads_allowed():
+            return None
+        most = torch.get_num_threads()
+        if self.step_threads is None or self.step_threads.most != most:
+            self.step_threads = StepThreads(most)
+        return self.step_threads
 
     @torch.no_grad()
     def decode(self, prompts: list[list[int]], sampling: SamplingParams, uniforms: torch.Tensor,
@@ -59,16 +71,22 @@ class ContinuousBatcher:
         limits = limits or [steps] * n
         length = max(len(p) for p in prompts) + steps
         self.runner.reserve(min(n, self.max_slots(length)), length)
-        call = _Call(self, prompts, sampling, uniforms, limits, progress)
-        call.run()
+        call = _Call(self, prompts, sampling, uniforms, limits, progress, self._tuner())
+        threads = torch.get_num_threads()
+        try:
+            call.run()
+        finally:
+            torch.set_num_threads(threads)  # the process's own count again (a step may have run on fewer)
         return call.collect(weight_version)
 
 
 class _Call:
     """One decode call's state (see the module docstring)."""
 
-    def __init__(self, batcher: ContinuousBatcher, prompts, sampling, uniforms, limits, progress):
+    def __init__(self, batcher: ContinuousBatcher, prompts, sampling, uniforms, limits, progress,
+                 threads: StepThreads | None):
         self.b, self.runner = batcher, batcher.runner
+        self.threads = threads
         self.prompts, self.sampling, self.progress = prompts, sampling, progress
         dev, n, steps = batcher.device, len(prompts), uniforms.shape[1]
         slots = self.runner.cache.slots
@@ -168,8 +186,14 @@ class _Call:
         """One decode step of the occupied slots (ascending; unchanged between the host's checks)."""
         batch = bucket(occupied[-1] + 1, self.runner.buckets)
         longest = max(self.bound[s] for s in occupied)
+        if self.threads is not None:  # the CPU decode: this step's thread count, and its time for the next ones
+            count = self.threads.count()
+            torch.set_num_threads(count)
+            start = time.perf_counter()
         logits = self.runner.decode(batch, self.last[:batch], self.pos[:batch], longest)
         self._advance(slice(0, batch), logits)
+        if self.threads is not None:
+            self.threads.record(count, len(occupied), time.perf_counter() - start)
         for s in occupied:
             self.bound[s] = min(self.bound[s] + 1, self.runner.cache.length)
         self.step_count += 1
