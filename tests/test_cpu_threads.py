@@ -59,14 +59,16 @@ def test_setup_sets_torch_threads_and_logs_one_line(monkeypatch, caplog, threads
     monkeypatch.setattr(cpu_threads.os, "cpu_count", lambda: 16)
     monkeypatch.setattr(cpu_threads.os, "getloadavg", lambda: (1.9, 1.0, 1.0))
     monkeypatch.setattr(cpu_threads, "_wait_policy", "OMP_WAIT_POLICY=PASSIVE")
+    monkeypatch.setattr(cpu_threads, "_chosen_by_miles", False)  # put back after the test: the setup sets it
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     with caplog.at_level(logging.INFO, logger="miles"):
         setup = cpu_threads.setup_cpu_threads()
+    assert cpu_threads._chosen_by_miles  # miles chose: its decode may tune
     assert torch.get_num_threads() == setup.threads == 2
     assert [r.getMessage() for r in caplog.records] == ["CPU threads: 2 of 2 cores (load 1.9), OMP_WAIT_POLICY=PASSIVE"]
     assert cpu_threads.setup_cpu_threads(1).line() == ("CPU threads: 1 of 2 cores (load 1.9, --cpu-threads), "
                                                        "OMP_WAIT_POLICY=PASSIVE")
-    assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == 1 and not cpu_threads._chosen_by_miles  # the flag's: the decode keeps it
 
 
 def clean_env(**extra: str) -> dict[str, str]:
