@@ -105,9 +105,9 @@ def main() -> None:
                    help="--profile's engines with torch.compile'd layer functions (--enable-torch-compile)")
     p.add_argument("--compiled", action="store_true", help="add HF generate with a static cache under torch.compile")
     args = p.parse_args()
-    if args.prefill_tokens:
-        engine_module.PREFILL_TOKENS[args.device.split(":")[0]] = args.prefill_tokens
     device = torch.device(args.device)
+    if args.prefill_tokens:
+        engine_module.PREFILL_TOKENS[device.type] = args.prefill_tokens
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     torch.manual_seed(0)
     config = SHAPES[args.shape]()

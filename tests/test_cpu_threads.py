@@ -124,7 +124,7 @@ def feed(tuner, seconds_on: dict[int, float], steps: int, rows: int = 8) -> list
     for _ in range(steps):
         n = tuner.count()
         counts.append(n)
-        tuner.record(n, rows, seconds_on[n])
+        tuner.record(rows, seconds_on[n])
     return counts
 
 

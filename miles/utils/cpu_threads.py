@@ -148,8 +148,8 @@ class StepThreads:
         """The thread count of the next step."""
         return self._trial or self.current
 
-    def record(self, threads: int, rows: int, seconds: float) -> None:
-        """A step of `rows` rows took `seconds` on `threads` threads."""
+    def record(self, rows: int, seconds: float) -> None:
+        """The step run on `count()` threads had `rows` rows and took `seconds`."""
         if self._trial is None:
             self._reference.append((rows, seconds))
             self._since += 1

@@ -187,13 +187,12 @@ class _Call:
         batch = bucket(occupied[-1] + 1, self.runner.buckets)
         longest = max(self.bound[s] for s in occupied)
         if self.threads is not None:  # the CPU decode: this step's thread count, and its time for the next ones
-            count = self.threads.count()
-            torch.set_num_threads(count)
+            torch.set_num_threads(self.threads.count())
             start = time.perf_counter()
         logits = self.runner.decode(batch, self.last[:batch], self.pos[:batch], longest)
         self._advance(slice(0, batch), logits)
         if self.threads is not None:
-            self.threads.record(count, len(occupied), time.perf_counter() - start)
+            self.threads.record(len(occupied), time.perf_counter() - start)
         for s in occupied:
             self.bound[s] = min(self.bound[s] + 1, self.runner.cache.length)
         self.step_count += 1
