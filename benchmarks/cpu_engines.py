@@ -8,7 +8,12 @@ prompts, quiet runs first, then loaded, so no run repeats a prompt an engine has
 are new, and vLLM's prefix cache would otherwise serve a repeated prompt's prefill from its cache (a
 prefix the prompts share, the chat template's system prompt, it still serves: that is vLLM's). With
 `--samples-per-prompt K` a run is 32 / K prompts K times each, consecutive, as GRPO samples a group
-(each sample its own seed). Rows:
+(each sample its own seed). Every response runs its 64 tokens (EOS off: the local engine gets no EOS ids,
+vLLM's requests `ignore_eos`), so every engine's run does the same work; `--eos` lets EOS end a response, as
+until 2026-12-06 (seventeenth session), when each engine's runs stop at the lengths it samples: most responses
+end early (17-27 of 32), and the same prompts gave miles 1,001 tokens and vLLM 1,108 in one run, 1,341 and
+970 in another: a run's rate moves with its token count (a prefill paid for fewer tokens, steps at fewer
+rows), so a ratio of two such runs measured the draws as much as the engines. Rows:
   local         LocalEngine(model, ...).generate in a fresh process set up as `miles train` sets
                 itself up on a CPU (miles.utils.cpu_threads: OMP_WAIT_POLICY=PASSIVE before torch
                 loads, a thread per core); its `CPU threads:` line is printed;
@@ -32,7 +37,7 @@ runs' size (the task's last prompts), then `--repeats` timed runs (fewer when on
 `--max-seconds`): the steady state of an RL run's rollouts, each step the same size. (Until 2026-12-05
 (fourteenth session) the warm-up was 4 prompts, except for local-compiled: a fresh local process then paid its
 first full-size allocations, about 0.7 s, in its first timed run, while the vLLM server's loaded rows came
-after its quiet ones.) tok/s counts the tokens generated (EOS ends a response, so counts differ a little).
+after its quiet ones.) tok/s counts the tokens generated; each row's token counts are printed.
 Prints median, min and max per row, the ratio of medians to vLLM's in the same condition, and each local run's
 ratio to vLLM's run on the same prompts (a run's rate moves with its prompts' response lengths, alike for
 every engine); `loadavg` is the 1-minute load average as a row starts.
@@ -61,7 +66,7 @@ class Workload:
     order, each `group` times with a seed per sample: run r of the quiet rows gets batch r, of the
     loaded rows batch `repeats` + r (`batch`); the warm-up is a run of the same size on the task's last prompts."""
 
-    def __init__(self, tokenizer, per_run: int, new_tokens: int, repeats: int, group: int = 1):
+    def __init__(self, tokenizer, per_run: int, new_tokens: int, repeats: int, group: int = 1, eos: bool = False):
         from miles.config import SamplingParams
         from miles.data.prompts import load_prompt_data
         from miles.rollout.sampling import sample_seed
@@ -73,6 +78,7 @@ class Workload:
         self.seeds = [sample_seed(42, 0, i) for i in range(len(self.prompts) * group)]  # by sample index
         self.sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, top_p=1.0)
         self.distinct, self.group, self.repeats = distinct, group, repeats
+        self.eos = eos  # whether EOS ends a response (else each runs its new_tokens)
 
     def warm_up(self):
         """A full run's prompts and seeds from the task's end, which no timed run takes."""
@@ -87,19 +93,20 @@ class Workload:
         return prompts, self.seeds[first:first + len(prompts)]
 
 
-def timed(engine, work: Workload, loaded: bool, max_seconds: float) -> list[float]:
-    """tok/s of work.repeats timed runs, each on new prompts, after one warm-up; stops early once the
-    runs took max_seconds."""
+def timed(engine, work: Workload, loaded: bool, max_seconds: float) -> tuple[list[float], list[int]]:
+    """tok/s and tokens generated of work.repeats timed runs, each on new prompts, after one warm-up; stops early
+    once the runs took max_seconds."""
     engine.generate(work.warm_up()[0], work.sampling, work.warm_up()[1])
-    rates, spent = [], 0.0
+    rates, tokens, spent = [], [], 0.0
     while len(rates) < work.repeats and (not rates or spent < max_seconds):
         prompts, seeds = work.batch(len(rates), loaded)
         start = time.perf_counter()
         outputs = engine.generate(prompts, work.sampling, seeds)
         elapsed = time.perf_counter() - start
-        rates.append(sum(len(o.token_ids) for o in outputs) / elapsed)
+        tokens.append(sum(len(o.token_ids) for o in outputs))
+        rates.append(tokens[-1] / elapsed)
         spent += elapsed
-    return rates
+    return rates, tokens
 
 
 def child(kind: str, args: argparse.Namespace) -> None:
@@ -120,36 +127,36 @@ def child(kind: str, args: argparse.Namespace) -> None:
 
     model_dir = resolve_checkpoint(None)
     tokenizer = load_tokenizer(model_dir)
-    work = Workload(tokenizer, args.prompts, args.new_tokens, args.repeats, args.samples_per_prompt)
+    work = Workload(tokenizer, args.prompts, args.new_tokens, args.repeats, args.samples_per_prompt, args.eos)
     model = load_causal_lm(model_dir, dtype=torch.float32, device="cpu", attention_backend="sdpa")
     compiled = kind == "local-compiled"
-    engine = LocalEngine(model, eos_token_ids=eos_token_ids(model, tokenizer), pad_token_id=tokenizer.pad_token_id,
-                         compile=compiled)
-    rates = timed(engine, work, args.loaded, args.max_seconds)
+    engine = LocalEngine(model, eos_token_ids=eos_token_ids(model, tokenizer) if args.eos else [],
+                         pad_token_id=tokenizer.pad_token_id, compile=compiled)
+    rates, tokens = timed(engine, work, args.loaded, args.max_seconds)
     line = f"{line}; torch threads {torch.get_num_threads()}"
     if (tuner := getattr(engine.decoder, "step_threads", None)) is not None:  # miles.utils.cpu_threads.StepThreads
         line += f"; decode steps on {tuner.current} at the end ({tuner.changes} changes)"
-    print(json.dumps({"rates": rates, "threads": line}), flush=True)
+    print(json.dumps({"rates": rates, "tokens": tokens, "threads": line}), flush=True)
 
 
-def run_child(kind: str, args: argparse.Namespace, loaded: bool) -> tuple[list[float], str]:
+def run_child(kind: str, args: argparse.Namespace, loaded: bool) -> tuple[list[float], list[int], str]:
     command = [sys.executable, __file__, "--child", kind, "--prompts", str(args.prompts), "--new-tokens",
                str(args.new_tokens), "--repeats", str(args.repeats), "--max-seconds", str(args.max_seconds),
                "--samples-per-prompt", str(args.samples_per_prompt)]
-    if loaded:
-        command.append("--loaded")
+    command += ["--loaded"] if loaded else []
+    command += ["--eos"] if args.eos else []
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False, start_new_session=True)
     if done.returncode != 0:
         raise SystemExit(f"{kind} child failed ({done.returncode}): {done.stderr[-2000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    return result["rates"], result["threads"]
+    return result["rates"], result["tokens"], result["threads"]
 
 
-def progress(kind: str, condition: str, rates: list[float], threads: str) -> None:
-    print(f"  {LABELS[kind]:<24} {condition:<8} tok/s {[round(r, 1) for r in rates]} {threads}", file=sys.stderr,
-          flush=True)
+def progress(kind: str, condition: str, rates: list[float], tokens: list[int], threads: str) -> None:
+    print(f"  {LABELS[kind]:<24} {condition:<8} tok/s {[round(r, 1) for r in rates]} tokens {tokens} {threads}",
+          file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -174,8 +181,8 @@ def vllm_rows(mode: str, args: argparse.Namespace, conditions, tokenizer) -> dic
     from miles.utils.models import eos_token_ids_of_dir, resolve_checkpoint
 
     model_dir = str(resolve_checkpoint(None))
-    work = Workload(tokenizer, args.prompts, args.new_tokens, args.repeats, args.samples_per_prompt)
-    eos = eos_token_ids_of_dir(model_dir, tokenizer)
+    work = Workload(tokenizer, args.prompts, args.new_tokens, args.repeats, args.samples_per_prompt, args.eos)
+    eos = eos_token_ids_of_dir(model_dir, tokenizer) if args.eos else []
     rows = {}
     with ServerFleet("vllm", model_dir, 1, log_dir=args.log_dir, start_timeout=1800, precision="fp32", seed=0,
                      max_model_len=2048, python=args.vllm_python, weight_version=0, device="cpu",
@@ -183,12 +190,16 @@ def vllm_rows(mode: str, args: argparse.Namespace, conditions, tokenizer) -> dic
         url = fleet.start()[0]
         server = VLLMServer(ServerClient(url, flag=mode, timeout=1800, retries=1), eos_token_ids=eos,
                             vocab_size=len(tokenizer))
+        if not args.eos:  # vLLM stops at the model's EOS unless told not to
+            body = server.body
+            server.body = lambda *a: {**body(*a), "ignore_eos": True}
         engine = RemoteEngine([server], concurrency=64)
         for condition, load in conditions:
             with busy(load, 2.0) if load else contextlib.nullcontext():
                 before = os.getloadavg()[0]
-                rows[(mode, condition)] = (timed(engine, work, bool(load), args.max_seconds), before, "")
-            progress(mode, condition, rows[(mode, condition)][0], "")
+                rates, tokens = timed(engine, work, bool(load), args.max_seconds)
+            rows[(mode, condition)] = (rates, tokens, before, "")
+            progress(mode, condition, rates, tokens, "")
     return rows
 
 
@@ -199,6 +210,8 @@ def main() -> None:
     p.add_argument("--samples-per-prompt", type=int, default=1, help="samples of each prompt in a run, consecutive "
                                                                      "(a GRPO group)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--eos", action="store_true", help="EOS ends a response (default: every response runs "
+                                                      "--new-tokens, the same work for every engine)")
     p.add_argument("--max-seconds", type=float, default=600, help="a row's timed runs stop after this much")
     p.add_argument("--load", type=int, default=os.cpu_count() or 1, help="busy processes of the loaded rows "
                                                                          "(default: one per CPU; 0: quiet only)")
@@ -232,9 +245,9 @@ def main() -> None:
         for condition, load in conditions:
             with busy(load, args.settle) if load else contextlib.nullcontext():
                 before = os.getloadavg()[0]
-                rates, threads = run_child(kind, args, bool(load))
-            rows[(kind, condition)] = (rates, before, threads)
-            progress(kind, condition, rates, threads)
+                rates, tokens, threads = run_child(kind, args, bool(load))
+            rows[(kind, condition)] = (rates, tokens, before, threads)
+            progress(kind, condition, rates, tokens, threads)
     report(rows, engines, conditions, args)
 
 
@@ -245,8 +258,8 @@ def autogroup() -> str:
 
 
 def report(rows: dict, engines: list[str], conditions, args: argparse.Namespace) -> None:
-    print(f"\n{args.prompts} samples ({args.samples_per_prompt} a prompt) x {args.new_tokens} new tokens, demo model "
-          f"fp32, temperature 1; "
+    print(f"\n{args.prompts} samples ({args.samples_per_prompt} a prompt) x {args.new_tokens} new tokens "
+          f"({'EOS on' if args.eos else 'EOS off'}), demo model fp32, temperature 1; "
           f"{os.cpu_count()} CPUs; loaded = {args.load} busy processes; {autogroup()}")
     refs = [k for k in ("vllm-eager", "vllm-compiled") if k in engines]
     head = "".join(f" {'vs ' + LABELS[r]:>17}" for r in refs)
@@ -254,7 +267,7 @@ def report(rows: dict, engines: list[str], conditions, args: argparse.Namespace)
           f"{head}")
     for kind in engines:
         for condition, _ in conditions:
-            rates, load, _ = rows[(kind, condition)]
+            rates, _, load, _ = rows[(kind, condition)]
             med = statistics.median(rates)
             ratios = "".join(f" {med / statistics.median(rows[(r, condition)][0]):>16.2f}x" for r in refs)
             print(f"{LABELS[kind]:<24} {condition:<9} {med:>12.1f} {min(rates):>7.1f} {max(rates):>7.1f} "
@@ -266,9 +279,8 @@ def report(rows: dict, engines: list[str], conditions, args: argparse.Namespace)
                 pairs = [a / b for a, b in zip(rows[(kind, condition)][0], rows[(r, condition)][0])]
                 print(f"  {LABELS[kind]}, {condition}, vs {LABELS[r]}: {' '.join(f'{x:.2f}x' for x in pairs)} "
                       f"(lowest {min(pairs):.2f}x)")
-    for (kind, condition), (_, _, threads) in rows.items():
-        if threads:
-            print(f"{LABELS[kind]}, {condition}: {threads}")
+    for (kind, condition), (_, tokens, _, threads) in rows.items():
+        print(f"{LABELS[kind]}, {condition}: tokens a run {tokens}" + (f"; {threads}" if threads else ""))
 
 
 if __name__ == "__main__":
