@@ -303,6 +303,46 @@ def test_the_gpus_fused_decode_kernels_compute_what_the_layer_functions_do():
     torch.testing.assert_close(keys, want_keys, **close)
     torch.testing.assert_close(values, want_values, rtol=0, atol=0)
 
+    # A prefill's packed rows: row j at slots[j] (two rows share a slot), the rows' keys and values returned too,
+    # each KV head repeated for its query heads as repeat_interleave repeats it
+    slots = torch.tensor([4, 1, 4, 6, 0], device=device)
+    keys, values = (torch.randn(7, kv_heads, length, dim, generator=g).to(device, dtype) for _ in range(2))
+    want_keys, want_values = keys.clone(), values.clone()
+    q, k, v = decode_fused.rope_and_cache(qkv, cos, sin, positions, keys, values, heads, slots=slots, repeat=3)
+    rotated = wk * c + _rotate_half(wk) * s
+    want_keys[slots, :, positions], want_values[slots, :, positions] = rotated.to(dtype), wv.to(dtype)
+    torch.testing.assert_close(q, (wq * c + _rotate_half(wq) * s).to(dtype), **close)
+    torch.testing.assert_close(keys, want_keys, **close)
+    torch.testing.assert_close(values, want_values, rtol=0, atol=0)
+    torch.testing.assert_close(k, rotated.repeat_interleave(3, dim=1).to(dtype), **close)
+    torch.testing.assert_close(v, wv.repeat_interleave(3, dim=1).to(dtype), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_a_prefill_in_the_fused_kernels_computes_what_the_layer_functions_do(tiny_qwen, monkeypatch):
+    """The fast engine's prefill through decode_fused (a GPU's default; forced here, in Triton's interpreter): prompts
+    packed into one row, each into its own slot, give the layer functions' logits and cache, within fp32 noise."""
+    from miles.rollout.local import decode_fused
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    close = dict(rtol=1e-5, atol=1e-5) if device == "cpu" else dict(rtol=1e-4, atol=1e-4)
+    tok = load_tokenizer(tiny_qwen)
+    model = load_causal_lm(tiny_qwen, device=device, attention_backend="sdpa")
+    runner = LocalEngine(model, eos_token_ids=eos_token_ids(model, tok), pad_token_id=tok.pad_token_id).runner
+    prompts = [tok(t)["input_ids"] for t in ("hello there", "a longer prompt than the others", "x")]
+    runner.reserve(4, 64)
+    monkeypatch.setattr(runner, "_fused_kernels", lambda: None)  # the layer functions
+    want = runner.prefill([2, 0, 3], prompts, keep=[1, 3, 1])
+    want_cache = runner.cache.data.clone()
+    runner.cache.data.zero_()
+    calls, fused = [], decode_fused.rope_and_cache
+    monkeypatch.setattr(decode_fused, "rope_and_cache", lambda *a: calls.append(a[-1]) or fused(*a))
+    monkeypatch.setattr(runner, "_fused_kernels", lambda: decode_fused)
+    got = runner.prefill([2, 0, 3], prompts, keep=[1, 3, 1])
+    assert calls and all(repeat == runner.group for repeat in calls)  # the prefill's form of the kernel ran
+    torch.testing.assert_close(got, want, **close)
+    torch.testing.assert_close(runner.cache.data, want_cache, **close)
+
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 def test_a_decode_step_in_the_fused_kernels_makes_the_tokens_of_the_layer_functions(tiny_qwen, monkeypatch):

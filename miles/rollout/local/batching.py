@@ -33,7 +33,7 @@ import torch
 
 from miles.config import SamplingParams
 from miles.rollout.engine import GenerationOutput
-from miles.rollout.local.runner import ModelRunner, bucket
+from miles.rollout.local.runner import ModelRunner, bucket, upload
 from miles.rollout.sampling import compiled_sample_tokens, sample_tokens
 from miles.utils.cpu_threads import StepThreads, step_threads_allowed
 
@@ -149,10 +149,10 @@ class _Call:
                 slots.append(free.pop(0))
                 reqs.append(r)
                 tokens += len(self.prompts[r])
-            index = torch.tensor(slots, device=self.b.device)
-            self.req[index] = torch.tensor(reqs, device=self.b.device)
+            index, req, pos = upload([slots, reqs, [len(self.prompts[r]) - 1 for r in reqs]], self.b.device)
+            self.req[index] = req
             self.made[index] = 0
-            self.pos[index] = torch.tensor([len(self.prompts[r]) - 1 for r in reqs], device=self.b.device)
+            self.pos[index] = pos
             self.done[index] = False
             self.stopped[index] = False
             logits = self.runner.prefill(slots, [self.prompts[r] for r in reqs])

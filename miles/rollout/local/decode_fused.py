@@ -63,18 +63,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                   keys: torch.Tensor, values: torch.Tensor, heads: int, exact: bool = False) -> torch.Tensor:
+                   keys: torch.Tensor, values: torch.Tensor, heads: int, exact: bool = False,
+                   slots: torch.Tensor | None = None, repeat: int | None = None):
     """qkv (N, (Q + 2H) * D), the fused projection's rows; cos and sin (L, 1, D) by position; row j at positions[j]
-    of slot j. Writes the rotated keys and the values into the (S, H, L, D) caches; returns the rotated queries
-    (N, Q, D) in torch's promotion of q * cos. With `exact` each product is rounded before it is added (EXACT): the
-    bits of torch's ops."""
+    of slot j, or of slots[j] with `slots` (N,) (a prefill's packed tokens). Writes the rotated keys and the values
+    into the (S, H, L, D) caches; returns the rotated queries (N, Q, D) in torch's promotion of q * cos. With
+    `repeat` R, returns (queries, keys, values): the rows' rotated keys (in the queries' dtype, as the layer functions
+    compute them) and values (qkv's dtype), each (N, H * R, D) with KV head h as heads h * R .. h * R + R - 1
+    (repeat_interleave's order: R = Q / H gives each query head its KV head, for attention without GQA). With
+    `exact` each product is rounded before it is added (EXACT): the bits of torch's ops."""
     n, kv_heads, d = qkv.shape[0], keys.shape[1], keys.shape[-1]
     q = torch.empty(n, heads, d, dtype=torch.result_type(qkv, cos), device=qkv.device)  # as q * cos promotes
-    _rope_and_cache[(n,)](qkv, cos, sin, positions, q, keys, values, qkv.stride(0), cos.stride(0),
-                          keys.stride(0), keys.stride(1), keys.stride(2), q.stride(0), q.stride(1), HEADS=heads,
-                          KV_HEADS=kv_heads, QB=triton.next_power_of_2(heads), KB=triton.next_power_of_2(kv_heads),
-                          HALF=d // 2, **(EXACT if exact else {}))
-    return q
+    k_out = v_out = q  # unused without `repeat`
+    if repeat is not None:
+        k_out = torch.empty(n, kv_heads * repeat, d, dtype=q.dtype, device=qkv.device)
+        v_out = torch.empty(n, kv_heads * repeat, d, dtype=qkv.dtype, device=qkv.device)
+    _rope_and_cache[(n,)](qkv, cos, sin, positions, slots if slots is not None else positions, q, keys, values,
+                          k_out, v_out, qkv.stride(0), cos.stride(0), keys.stride(0), keys.stride(1), keys.stride(2),
+                          q.stride(0), q.stride(1), k_out.stride(0), HEADS=heads, KV_HEADS=kv_heads,
+                          QB=triton.next_power_of_2(heads), KB=triton.next_power_of_2(kv_heads), HALF=d // 2,
+                          SLOTS=slots is not None, REPEAT=repeat or 0, **(EXACT if exact else {}))
+    return q if repeat is None else (q, k_out, v_out)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -118,11 +127,15 @@ def _rotate(base, heads, d, HALF: tl.constexpr, rows, c1, c2, s1, s2):
 
 
 @triton.jit
-def _rope_and_cache(qkv, cos, sin, positions, q, keys, values, s_row, s_pos, s_ks, s_kh, s_kl, s_qn, s_qh,
-                    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
-                    HALF: tl.constexpr):
+def _rope_and_cache(qkv, cos, sin, positions, slots, q, keys, values, k_out, v_out, s_row, s_pos, s_ks, s_kh, s_kl,
+                    s_qn, s_qh, s_on, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, QB: tl.constexpr,
+                    KB: tl.constexpr, HALF: tl.constexpr, SLOTS: tl.constexpr, REPEAT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + row)
+    if SLOTS:
+        slot = tl.load(slots + row).to(tl.int64)
+    else:
+        slot = row
     d = tl.arange(0, HALF)
     c1 = tl.load(cos + pos * s_pos + d).to(tl.float32)
     c2 = tl.load(cos + pos * s_pos + HALF + d).to(tl.float32)
@@ -138,13 +151,20 @@ def _rope_and_cache(qkv, cos, sin, positions, q, keys, values, s_row, s_pos, s_k
     kh = tl.arange(0, KB)
     kv_rows = kh < KV_HEADS
     first, second = _rotate(base + HEADS * 2 * HALF, kh, d, HALF, kv_rows, c1, c2, s1, s2)
-    at = row * s_ks + kh[:, None] * s_kh + pos * s_kl + d[None, :]  # slot `row`, its position
+    at = slot * s_ks + kh[:, None] * s_kh + pos * s_kl + d[None, :]  # the row's slot, its position
     tl.store(keys + at, first.to(keys.dtype.element_ty), mask=kv_rows[:, None])
     tl.store(keys + at + HALF, second.to(keys.dtype.element_ty), mask=kv_rows[:, None])
+    out = row * s_on + kh[:, None] * (REPEAT * 2 * HALF) + d[None, :]  # head kh's first copy in k_out / v_out
+    for r in tl.static_range(REPEAT):
+        tl.store(k_out + out + r * 2 * HALF, first.to(k_out.dtype.element_ty), mask=kv_rows[:, None])
+        tl.store(k_out + out + r * 2 * HALF + HALF, second.to(k_out.dtype.element_ty), mask=kv_rows[:, None])
     v = base + (HEADS + KV_HEADS) * 2 * HALF + kh[:, None] * (2 * HALF) + d[None, :]
     for half in tl.static_range(2):
         part = tl.load(v + half * HALF, mask=kv_rows[:, None], other=0.0)
         tl.store(values + at + half * HALF, part.to(values.dtype.element_ty), mask=kv_rows[:, None])
+        for r in tl.static_range(REPEAT):
+            tl.store(v_out + out + r * 2 * HALF + half * HALF, part.to(v_out.dtype.element_ty),
+                     mask=kv_rows[:, None])
 
 
 @triton.jit

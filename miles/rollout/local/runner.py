@@ -86,6 +86,17 @@ def bucket(n: int, sizes: list[int]) -> int:
     return next(s for s in sizes if s >= n)
 
 
+def upload(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """Lists of ints as int64 tensors on `device`, made on the host and copied in one transfer. On a GPU the copy is
+    from pinned memory, queued behind the GPU's work: a copy from pageable memory (`torch.tensor(..., device=...)`)
+    waits for the stream's queued work first, so the host would build the next prefill forward only after the GPU
+    finished the last (3.5-4.4 ms of idle GPU between batch 512's prefill forwards on an H100: BENCHMARKS.md)."""
+    host = torch.tensor([v for values in lists for v in values], dtype=torch.long)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return list(host.to(device, non_blocking=True).split([len(values) for values in lists]))
+
+
 class SlotKVCache:
     """Every layer's keys and values in one (2, layers, S, H, L, D) tensor; `keys[i]` and `values[i]` are layer i's
     (S, H, L, D) views. One tensor lets a slot's columns move for every layer in one copy: moving two slots as 60
@@ -416,7 +427,7 @@ class ModelRunner:
         for i in unique:
             start[i], at = at, at + keep[i]
         rows = [start[s] + j for s, k in zip(source, keep) for j in range(k)]
-        return logits[torch.tensor(rows, device=logits.device)]
+        return logits[upload([rows], logits.device)[0]]
 
     def _prefill(self, slots: list[int], prompts: list[list[int]], keep: list[int]) -> torch.Tensor:
         """prefill() of distinct prompts. On the CPU, where the prefill's GEMMs are most of a rollout, a
@@ -442,15 +453,18 @@ class ModelRunner:
         keys and values; each attends to its slot's columns [0, start) and causally to itself. Returns the
         logits of each piece's last keep[i] positions, concatenated ((sum keep, V)), or None without keep."""
         lengths = [len(p) for p in pieces]
-        tokens = torch.tensor([t for p in pieces for t in p], device=self.device)  # (N,)
-        positions = torch.cat([torch.arange(start, start + n) for n in lengths]).to(self.device)  # (N,)
-        slot_of = torch.repeat_interleave(torch.tensor(slots), torch.tensor(lengths)).to(self.device)  # (N,)
-        starts = [0]
-        for n in lengths:
-            starts.append(starts[-1] + n)
-        cu_seq_lens = torch.tensor(starts, dtype=torch.int32, device=self.device)  # (B + 1,)
-        cos, sin, rows = self._cos[positions], self._sin[positions], self._rows(slot_of, positions)
+        tokens, positions, slot_of, cu_seq_lens, wanted = self._packed(slots, pieces, start, keep)
         x = self.inner.embed_tokens(tokens)  # (N, hidden)
+        if not start and (fused := self._fused_kernels()) is not None and not invariant.enabled():
+            delta = None  # the last layer's output, not yet added to the residual stream x
+            attend = lambda i, qkv: packed_causal_attention(*qkv, cu_seq_lens, max(lengths), self.scaling)
+            for i in range(self.num_layers):
+                delta = self._fused_layer(fused, i, x, delta, positions, attend, slot_of)
+            if keep is None:
+                return None
+            return self._lm_head(x[wanted], norm=lambda h: fused.rms_norm(h, self.inner.norm.weight, self.eps,
+                                                                            delta[wanted], self._cast()))
+        cos, sin, rows = self._cos[positions], self._sin[positions], self._rows(slot_of, positions)
         for i in range(self.num_layers):
             q, k, v = self._qkv(i, x, cos, sin, rows)
             if start:
@@ -458,11 +472,21 @@ class ModelRunner:
             else:
                 attended = packed_causal_attention(q, k, v, cu_seq_lens, max(lengths), self.scaling)
             x = self._finish_layer(i, x, attended)
-        if keep is None:
-            return None
-        wanted = torch.tensor([i for s, n, k in zip(starts, lengths, keep) for i in range(s + n - k, s + n)],
-                              device=self.device)
-        return self._lm_head(x[wanted])
+        return None if keep is None else self._lm_head(x[wanted])
+
+    def _packed(self, slots: list[int], pieces: list[list[int]], start: int, keep: list[int] | None):
+        """The index tensors of _forward's packed row of N tokens, on the device (one `upload`): the tokens, their
+        positions and slots (N,), where each piece starts (B + 1,), int32) and the rows whose logits it keeps
+        (sum keep,)."""
+        lengths = [len(p) for p in pieces]
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        wanted = [i for s, n, k in zip(starts, lengths, keep or [0] * len(pieces)) for i in range(s + n - k, s + n)]
+        tokens, positions, slot_of, cu_seq_lens, wanted = upload(
+            [[t for p in pieces for t in p], [i for n in lengths for i in range(start, start + n)],
+             [s for s, n in zip(slots, lengths) for _ in range(n)], starts, wanted], self.device)
+        return tokens, positions, slot_of, cu_seq_lens.to(torch.int32), wanted
 
     def _after_prefix(self, layer: int, q: torch.Tensor, slots: list[int], lengths: list[int],
                       start: int) -> torch.Tensor:
@@ -511,8 +535,10 @@ class ModelRunner:
         x = self.inner.embed_tokens(tokens)  # (b, hidden)
         if (fused := self._fused_kernels()) is not None:
             delta = None  # the last layer's output, not yet added to the residual stream x
+            attend = lambda i, q: self._decode_attention(kernel, q, self.cache.keys[i], self.cache.values[i],
+                                                         positions, shared, width)
             for i in range(self.num_layers):
-                delta = self._fused_layer(fused, kernel, i, x, delta, positions, shared, width)
+                delta = self._fused_layer(fused, i, x, delta, positions, attend)
             return self._lm_head(x, out, norm=lambda h: fused.rms_norm(h, self.inner.norm.weight, self.eps, delta,
                                                                         self._cast(), invariant.enabled()))
         cos, sin = self._cos[positions], self._sin[positions]
@@ -537,11 +563,13 @@ class ModelRunner:
             return None
         return decode_fused
 
-    def _fused_layer(self, fused, kernel, i: int, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
-                     shared, width: int) -> torch.Tensor:
-        """Layer i of a decode step in decode_fused's kernels around the GEMMs: the residual stream x (b, hidden) gets
-        the last layer's output `delta` (None before the first) and this layer's attention added in place, each in the
-        norm's kernel after it; returns this layer's MLP output (b, hidden), what the layer functions compute.
+    def _fused_layer(self, fused, i: int, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
+                     attend, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer i in decode_fused's kernels around the GEMMs: the residual stream x (N, hidden) gets the last layer's
+        output `delta` (None before the first) and this layer's attention added in place, each in the norm's kernel
+        after it; returns this layer's MLP output (N, hidden), what the layer functions compute. A decode step (row j
+        in slot j) attends by `attend(i, queries)`, its keys and values in the cache; a prefill (`slots`: each packed
+        token's slot) by `attend(i, (queries, keys, values))`, each query head's KV head repeated.
 
         Under --true-on-policy-mode (fp32 weights, bf16 autocast, the batch-invariant kernels) the norms and RoPE
         compute the layer functions' bits (decode_fused.EXACT), each norm returning what the autocast would cast it
@@ -552,9 +580,9 @@ class ModelRunner:
         keys, values = self.cache.keys[i], self.cache.values[i]
         exact = invariant.enabled()
         qkv = _linear(fused.rms_norm(x, w.norm, self.eps, delta, cast, exact), qkv_w, qkv_b)
-        q = fused.rope_and_cache(qkv, self._cos, self._sin, positions, keys, values, self.q_heads, exact)
-        attended = self._decode_attention(kernel, q, keys, values, positions, shared, width)
-        attention_out = _linear(attended.reshape(x.shape[0], -1), o_w, o_b)
+        rows = fused.rope_and_cache(qkv, self._cos, self._sin, positions, keys, values, self.q_heads, exact, slots,
+                                    None if slots is None else self.group)
+        attention_out = _linear(attend(i, rows).reshape(x.shape[0], -1), o_w, o_b)
         gate_up = _linear(fused.rms_norm(x, w.post_norm, self.eps, attention_out, cast, exact), gate_up_w)
         if exact:
             gate, up = gate_up.chunk(2, dim=-1)
