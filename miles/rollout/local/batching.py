@@ -131,11 +131,11 @@ class _Call:
         freed = [s for s in occupied if done[s]]
         if not freed:
             return
-        index = torch.tensor(freed, device=self.b.device)
+        index = upload([freed], self.b.device)[0]
         reqs = self.req[index]
         self.made_of[reqs] = self.made[index]
         self.stopped_of[reqs] = self.stopped[index]
-        self.req[index] = self.n
+        self.req.index_fill_(0, index, self.n)
         for s in freed:
             self.owner[s] = None
 
@@ -151,10 +151,9 @@ class _Call:
                 tokens += len(self.prompts[r])
             index, req, pos = upload([slots, reqs, [len(self.prompts[r]) - 1 for r in reqs]], self.b.device)
             self.req[index] = req
-            self.made[index] = 0
             self.pos[index] = pos
-            self.done[index] = False
-            self.stopped[index] = False
+            for state in (self.made, self.done, self.stopped):  # index_fill_: `state[index] = 0` would copy the 0
+                state.index_fill_(0, index, 0)  # from host memory, which waits for the GPU's queued work
             logits = self.runner.prefill(slots, [self.prompts[r] for r in reqs])
             self._advance(index, logits)
             for s, r in zip(slots, reqs):
@@ -170,12 +169,11 @@ class _Call:
             return occupied
         holes = [s for s in range(size) if self.owner[s] is None][: len(movers)]
         self.runner.cache.move(movers, holes)
-        src = torch.tensor(movers, device=self.b.device)
-        dst = torch.tensor(holes, device=self.b.device)
+        src, dst = upload([movers, holes], self.b.device)
         for t in (self.req, self.made, self.pos, self.last, self.done, self.stopped):
             t[dst] = t[src]
-        self.req[src] = self.n
-        self.done[src] = True
+        self.req.index_fill_(0, src, self.n)
+        self.done.index_fill_(0, src, True)
         for s, d in zip(movers, holes):
             self.owner[d], self.bound[d], self.owner[s] = self.owner[s], self.bound[s], None
         return [s for s, r in enumerate(self.owner) if r is not None]
