@@ -158,6 +158,27 @@ def test_step_threads_go_back_when_the_machine_is_quiet_again():
     assert tuner.current == 4
 
 
+def test_step_threads_start_on_fewer_threads_where_other_tasks_run_and_go_up_when_that_is_faster(caplog):
+    with caplog.at_level(logging.INFO, logger="miles"):
+        tuner = cpu_threads.StepThreads(2, busy=2)
+    assert tuner.current == 1
+    assert caplog.records[0].getMessage() == "CPU threads: decode steps start on 1 of 2 threads (2 other tasks running)"
+    counts = feed(tuner, {2: 0.11, 1: 0.15}, 40)  # quiet after all: 2 are faster
+    assert counts[0] == 1 and tuner.current == 2 and counts[-1] == 2
+    assert cpu_threads.StepThreads(4, busy=1).current == 3 and cpu_threads.StepThreads(2, busy=0).current == 2
+
+
+def test_runnable_elsewhere_reads_the_running_tasks_less_the_reader(tmp_path):
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text("2.84 2.84 2.24 3/86 27613\n")  # 3 runnable: the reader and two others
+    assert cpu_threads.runnable_elsewhere(samples=3, interval=0, path=str(loadavg)) == 2
+    loadavg.write_text("0.10 0.20 0.30 1/86 27613\n")
+    assert cpu_threads.runnable_elsewhere(samples=1, interval=0, path=str(loadavg)) == 0
+    loadavg.write_text("garbage\n")
+    assert cpu_threads.runnable_elsewhere(path=str(loadavg)) == 0
+    assert cpu_threads.runnable_elsewhere(path=str(tmp_path / "absent")) == 0
+
+
 def test_a_probe_across_finished_rows_is_not_judged():
     tuner = cpu_threads.StepThreads(2)
     feed(tuner, {2: 0.36, 1: 0.24}, tuner.FIRST_WINDOW, rows=32)
@@ -195,6 +216,13 @@ def test_the_engine_tunes_only_where_miles_chose_the_threads(tiny_model, monkeyp
     ran_on.clear()
     engine.generate(prompts, sampling, [1, 2])
     assert set(ran_on) == {1} and torch.get_num_threads() == 2  # the process's count again after the call
+
+    prefilled_on, real_prefill = [], engine.runner.prefill
+    monkeypatch.setattr(engine.runner, "prefill", lambda *a, **kw: prefilled_on.append(torch.get_num_threads())
+                        or real_prefill(*a, **kw))
+    engine.decoder.step_threads.current = 1  # the steps found 1 faster: the prefill runs on 1 too
+    engine.generate(prompts, sampling, [1, 2])
+    assert prefilled_on == [1] and torch.get_num_threads() == 2
 
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:

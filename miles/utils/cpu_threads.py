@@ -115,10 +115,30 @@ def setup_cpu_threads(override: int | None = None) -> ThreadSetup:
     return setup
 
 
+def runnable_elsewhere(samples: int = 5, interval: float = 0.01, path: str = "/proc/loadavg") -> int:
+    """How many tasks besides the caller are running or waiting for a CPU now: the runnable count of /proc/loadavg
+    (the numerator of its 4th field, which counts the reading thread itself) less one, the median of `samples`
+    readings `interval` s apart (an instant, where the load average lags by a minute and remembers this process's
+    own last run); 0 where the file is missing or unreadable."""
+    import time
+
+    counts = []
+    for i in range(samples):
+        try:
+            with open(path) as f:
+                counts.append(int(f.read().split()[3].split("/")[0]) - 1)
+        except (OSError, IndexError, ValueError):
+            return 0
+        if i + 1 < samples:
+            time.sleep(interval)
+    return max(0, int(statistics.median(counts)))
+
+
 class StepThreads:
     """The intra-op thread count of each CPU decode step, from the steps' own wall times.
 
-    Steps run on `current` threads (at first all of them). Every `window` steps, 1 + PROBE steps run on a
+    Steps run on `current` threads: at first all of them, less one for each task `busy` elsewhere when the tuner is
+    made (runnable_elsewhere; at least one). Every `window` steps, 1 + PROBE steps run on a
     neighbouring count (half or double, alternately, within 1..the process's count); the first of them lets the
     kernel settle the threads on the cores and is not counted. If the median time of the other PROBE beats the
     median of the PROBE steps before the probe by MARGIN, the neighbour becomes `current` and the window starts
@@ -133,9 +153,12 @@ class StepThreads:
     MARGIN = 0.1  # under two busy processes in a session of their own, 1 and 2 threads are within ~10%: no flips
     ROWS_SPREAD = 1.1
 
-    def __init__(self, most: int):
+    def __init__(self, most: int, busy: int = 0):
         self.most = most
-        self.current = most
+        self.current = max(1, most - busy)
+        if self.current < most:
+            logger.info("CPU threads: decode steps start on %d of %d threads (%d other tasks running)", self.current,
+                        most, busy)
         self.window = self.FIRST_WINDOW
         self._since = 0  # steps on `current` since the last probe
         self._reference: deque[tuple[int, float]] = deque(maxlen=self.PROBE)  # (rows, seconds) of the last steps

@@ -35,7 +35,7 @@ from miles.config import SamplingParams
 from miles.rollout.engine import GenerationOutput
 from miles.rollout.local.runner import ModelRunner, bucket, upload
 from miles.rollout.sampling import compiled_sample_tokens, sample_tokens
-from miles.utils.cpu_threads import StepThreads, step_threads_allowed
+from miles.utils.cpu_threads import StepThreads, runnable_elsewhere, step_threads_allowed
 
 logger = logging.getLogger("miles")
 
@@ -59,7 +59,7 @@ class ContinuousBatcher:
             return None
         most = torch.get_num_threads()
         if self.step_threads is None or self.step_threads.most != most:
-            self.step_threads = StepThreads(most)
+            self.step_threads = StepThreads(most, runnable_elsewhere())
         return self.step_threads
 
     @torch.no_grad()
@@ -154,6 +154,8 @@ class _Call:
             self.pos[index] = pos
             for state in (self.made, self.done, self.stopped):  # index_fill_: `state[index] = 0` would copy the 0
                 state.index_fill_(0, index, 0)  # from host memory, which waits for the GPU's queued work
+            if self.threads is not None:  # the CPU prefill on the count the decode steps found faster
+                torch.set_num_threads(self.threads.current)
             logits = self.runner.prefill(slots, [self.prompts[r] for r in reqs])
             self._advance(index, logits)
             for s, r in zip(slots, reqs):
