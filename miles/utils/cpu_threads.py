@@ -19,7 +19,8 @@ tok/s quiet, ~20 loaded, where vLLM, one thread bound to one core, kept ~140). S
   and 2 made about the same loaded and 2 are faster quiet: BENCHMARKS.md, 2026-12-05). It
   logs one line with the load for the record: `CPU threads: 2 of 2 cores (load 1.9), OMP_WAIT_POLICY=PASSIVE`.
 - `StepThreads`: where miles chose the count (no `--cpu-threads`, no OMP_NUM_THREADS), the local engine's CPU
-  decode runs each step on that many threads or fewer, whichever its own step times say is faster now. With other
+  decode runs each step (and its prefill) on that many threads or fewer, whichever its own step times say is faster
+  now, starting one lower for each task running elsewhere (`runnable_elsewhere`). With other
   processes in sessions of their own (the kernel then shares the CPU by session), a step of the demo rollout took
   244 ms on 1 thread against 361 ms on 2; on a quiet machine 149 ms against 113 (BENCHMARKS.md, 2026-12-06). It
   logs each change: `CPU threads: decode steps now on 1 of 2 threads (...)`.

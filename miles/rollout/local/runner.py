@@ -7,7 +7,9 @@ only attention and its cache:
     owns a slot; its token at position p is cached at column p of its slot.
   - prefill: the prompts of a batch packed into one row of tokens (no padding), attention per
     prompt (miles.utils.varlen: torch's `varlen_attn` on a GPU in bf16, one causal SDPA per prompt on the CPU),
-    their keys and values written to their slots in one indexed copy per layer (in `_pre_attention`).
+    their keys and values written to their slots in one indexed copy per layer (in `_pre_attention`; on a GPU by
+    decode_fused's RoPE kernel, which takes each packed token's slot). Its index tensors go up in one copy
+    (`upload`), from pinned memory on a GPU, so the host never waits for the GPU's queued work to build the next.
     A prompt that comes again in the call (a GRPO group) is computed once and its slot copied; on the CPU a prefix the
     prompts share (a chat template's system prompt) is computed once too, the rest attending to it;
   - decode: one token for each of slots [0, b), attending to columns [0, position] of its slot. On a GPU a
@@ -16,7 +18,7 @@ only attention and its cache:
     the g query heads as g queries of one head (GQA reads each cached key once). On a GPU each (b, Lb)
     bucket's step is captured once in a CUDA graph and replayed; its logits land in one shared buffer, and
     the step's pointwise work (norms, RoPE with the cache writes, SiLU-and-multiply) runs in decode_fused.py's
-    Triton kernels instead of the layer functions below.
+    Triton kernels instead of the layer functions below (the prefill's too, outside --true-on-policy-mode).
 
 Each layer runs as two functions of tensors, `_pre_attention` (norm, one fused q/k/v projection,
 RoPE, the keys and values written into the cache) and `_post_attention` (output projection,
@@ -276,7 +278,8 @@ class _LayerWeights:
 
 class ModelRunner:
     triton_decode = True  # decode attention on a GPU in decode_attention's kernel; False: SDPA (benchmarks compare)
-    fused_decode = True  # a GPU decode step's pointwise work in decode_fused's kernels; False: the layer functions
+    fused_decode = True  # a GPU decode step's and prefill's pointwise work in decode_fused's kernels; False: the
+    # layer functions
 
     def __init__(self, model, *, cuda_graphs: bool = True, compile: bool = False):
         self.model = model
@@ -551,7 +554,7 @@ class ModelRunner:
         return self._lm_head(x, out)
 
     def _fused_kernels(self):
-        """miles.rollout.local.decode_fused where its kernels run this runner's decode step (a GPU, unless
+        """miles.rollout.local.decode_fused where its kernels run this runner's decode step and prefill (a GPU, unless
         `fused_decode` is off; not for per-head q/k norms, nor under --true-on-policy-mode for rows wider than the
         trainer's exact row mean takes), else None: the layer functions."""
         if not (self.fused_decode and self.device.type == "cuda"):
