@@ -66,7 +66,7 @@ class Workload:
     order, each `group` times with a seed per sample: run r of the quiet rows gets batch r, of the
     loaded rows batch `repeats` + r (`batch`); the warm-up is a run of the same size on the task's last prompts."""
 
-    def __init__(self, tokenizer, per_run: int, new_tokens: int, repeats: int, group: int = 1, eos: bool = False):
+    def __init__(self, tokenizer, per_run: int, new_tokens: int, repeats: int, group: int = 1):
         from miles.config import SamplingParams
         from miles.data.prompts import load_prompt_data
         from miles.rollout.sampling import sample_seed
@@ -78,7 +78,6 @@ class Workload:
         self.seeds = [sample_seed(42, 0, i) for i in range(len(self.prompts) * group)]  # by sample index
         self.sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, top_p=1.0)
         self.distinct, self.group, self.repeats = distinct, group, repeats
-        self.eos = eos  # whether EOS ends a response (else each runs its new_tokens)
 
     def warm_up(self):
         """A full run's prompts and seeds from the task's end, which no timed run takes."""
@@ -127,7 +126,7 @@ def child(kind: str, args: argparse.Namespace) -> None:
 
     model_dir = resolve_checkpoint(None)
     tokenizer = load_tokenizer(model_dir)
-    work = Workload(tokenizer, args.prompts, args.new_tokens, args.repeats, args.samples_per_prompt, args.eos)
+    work = Workload(tokenizer, args.prompts, args.new_tokens, args.repeats, args.samples_per_prompt)
     model = load_causal_lm(model_dir, dtype=torch.float32, device="cpu", attention_backend="sdpa")
     compiled = kind == "local-compiled"
     engine = LocalEngine(model, eos_token_ids=eos_token_ids(model, tokenizer) if args.eos else [],
@@ -181,7 +180,7 @@ def vllm_rows(mode: str, args: argparse.Namespace, conditions, tokenizer) -> dic
     from miles.utils.models import eos_token_ids_of_dir, resolve_checkpoint
 
     model_dir = str(resolve_checkpoint(None))
-    work = Workload(tokenizer, args.prompts, args.new_tokens, args.repeats, args.samples_per_prompt, args.eos)
+    work = Workload(tokenizer, args.prompts, args.new_tokens, args.repeats, args.samples_per_prompt)
     eos = eos_token_ids_of_dir(model_dir, tokenizer) if args.eos else []
     rows = {}
     with ServerFleet("vllm", model_dir, 1, log_dir=args.log_dir, start_timeout=1800, precision="fp32", seed=0,
