@@ -459,14 +459,10 @@ class ModelRunner:
         tokens, positions, slot_of, cu_seq_lens, wanted = self._packed(slots, pieces, start, keep)
         x = self.inner.embed_tokens(tokens)  # (N, hidden)
         if not start and (fused := self._fused_kernels()) is not None and not invariant.enabled():
-            delta = None  # the last layer's output, not yet added to the residual stream x
-            attend = lambda i, qkv: packed_causal_attention(*qkv, cu_seq_lens, max(lengths), self.scaling)
-            for i in range(self.num_layers):
-                delta = self._fused_layer(fused, i, x, delta, positions, attend, slot_of)
-            if keep is None:
-                return None
-            return self._lm_head(x[wanted], norm=lambda h: fused.rms_norm(h, self.inner.norm.weight, self.eps,
-                                                                            delta[wanted], self._cast()))
+            longest = max(lengths)
+            attend = lambda i, qkv: packed_causal_attention(*qkv, cu_seq_lens, longest, self.scaling)
+            delta = self._fused_layers(fused, x, positions, attend, slot_of)
+            return None if keep is None else self._fused_head(fused, x[wanted], delta[wanted])
         cos, sin, rows = self._cos[positions], self._sin[positions], self._rows(slot_of, positions)
         for i in range(self.num_layers):
             q, k, v = self._qkv(i, x, cos, sin, rows)
@@ -537,13 +533,9 @@ class ModelRunner:
             shared = shared[:, None, None, :]
         x = self.inner.embed_tokens(tokens)  # (b, hidden)
         if (fused := self._fused_kernels()) is not None:
-            delta = None  # the last layer's output, not yet added to the residual stream x
             attend = lambda i, q: self._decode_attention(kernel, q, self.cache.keys[i], self.cache.values[i],
                                                          positions, shared, width)
-            for i in range(self.num_layers):
-                delta = self._fused_layer(fused, i, x, delta, positions, attend)
-            return self._lm_head(x, out, norm=lambda h: fused.rms_norm(h, self.inner.norm.weight, self.eps, delta,
-                                                                        self._cast(), invariant.enabled()))
+            return self._fused_head(fused, x, self._fused_layers(fused, x, positions, attend), out)
         cos, sin = self._cos[positions], self._sin[positions]
         rows = self._rows(torch.arange(batch, device=self.device), positions)
         for i in range(self.num_layers):
@@ -565,6 +557,20 @@ class ModelRunner:
         if self._weights[0].q_norm is not None or not decode_fused.supported(self.head_dim, hidden, exact):
             return None
         return decode_fused
+
+    def _fused_layers(self, fused, x: torch.Tensor, positions: torch.Tensor, attend,
+                      slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Every layer through `_fused_layer`, the residual stream x updated in place; returns the last layer's output,
+        not yet added to x."""
+        delta = None
+        for i in range(self.num_layers):
+            delta = self._fused_layer(fused, i, x, delta, positions, attend, slots)
+        return delta
+
+    def _fused_head(self, fused, x: torch.Tensor, delta: torch.Tensor, out: torch.Tensor | None = None):
+        """Logits of rows x with the last layer's output `delta` added, in the final norm's kernel."""
+        return self._lm_head(x, out, norm=lambda h: fused.rms_norm(h, self.inner.norm.weight, self.eps, delta,
+                                                                    self._cast(), invariant.enabled()))
 
     def _fused_layer(self, fused, i: int, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
                      attend, slots: torch.Tensor | None = None) -> torch.Tensor:
