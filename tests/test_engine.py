@@ -2,6 +2,9 @@
 
 import importlib.util
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -345,11 +348,82 @@ def test_a_prefill_in_the_fused_kernels_computes_what_the_layer_functions_do(tin
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
-def test_a_decode_step_in_the_fused_kernels_makes_the_tokens_of_the_layer_functions(tiny_qwen, monkeypatch):
+def test_the_gpus_rope_and_attend_kernel_is_rope_and_cache_then_decode_attention():
+    """A decode step's RoPE, cache write and attention in one kernel (decode_attention.rope_and_attend; here in Triton's
+    interpreter where there is no GPU): the cache rope_and_cache writes, bit for bit, and the output of
+    decode_attention over its queries; positions 0 (only the new column), at block edges and past them."""
+    from miles.rollout.local import decode_fused
+    from miles.rollout.local.decode_attention import decode_attention, rope_and_attend
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    close = dict(rtol=1e-4, atol=1e-5) if device == "cpu" else dict(rtol=2e-2, atol=1e-2)  # bf16 on a GPU
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, length = 6, 2, 16, 200
+    positions = torch.tensor([0, 31, 32, 130, 199], device=device)
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * dim, generator=g).to(device, dtype)
+    angles = torch.rand(length, 1, dim // 2, generator=g) * 6
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(device, dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(device, dtype)
+    keys, values = (torch.randn(7, kv_heads, length, dim, generator=g).to(device, dtype) for _ in range(2))
+    want_keys, want_values = keys.clone(), values.clone()
+    q = decode_fused.rope_and_cache(qkv, cos, sin, positions, want_keys, want_values, heads)
+    want = decode_attention(q, want_keys, want_values, positions, 0.25, block=32)
+    got = rope_and_attend(qkv, cos, sin, positions, keys, values, heads, 0.25, block=32)
+    torch.testing.assert_close(got, want, **close)
+    torch.testing.assert_close(keys, want_keys, rtol=0, atol=0 if device == "cpu" else 2 ** -7)
+    torch.testing.assert_close(values, want_values, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_decode_attention_kernels_compile_for_an_h100(dtype):
+    """Triton's interpreter runs what the GPU's compiler refuses (a loop variable whose type changes): here both
+    decode attention kernels are compiled for an H100 (sm_90) without one, at the engine's shapes, in a process
+    without the interpreter (the tests' conftest turns it on)."""
+    script = f"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from miles.rollout.local import decode_attention as da
+
+ptr, types = "*{dtype}", {{"positions": "*i64", "scale": "fp32", "group": "i32"}}
+kernels = {{
+    da._decode_attention: ["q", "keys", "values", "positions", "out", "s_qb", "s_qh", "s_ks", "s_kh", "s_kl", "s_ob",
+                           "s_oh", "scale", "group"],
+    da._rope_and_attend: ["qkv", "cos", "sin", "positions", "keys", "values", "out", "s_row", "s_pos", "s_ks", "s_kh",
+                          "s_kl", "s_ob", "s_oh", "scale", "group"],
+}}
+for kernel, names in kernels.items():
+    constants = dict(D=64, G=16, KEYS=64, IEEE={dtype == "fp32"})
+    if kernel is da._rope_and_attend:
+        constants.update(HEADS=14, KV_HEADS=2)
+    signature = {{n: types.get(n, "i64" if n.startswith("s_") else ptr) for n in names}}
+    signature.update({{name: "constexpr" for name in constants}})
+    try:
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+                                  target=GPUTarget("cuda", 90, 32))
+    except RuntimeError as e:  # no CUDA toolchain in this Triton
+        print("no toolchain:", e)
+        sys.exit(3)
+    assert compiled.asm["cubin"]
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    if done.returncode == 3:
+        pytest.skip(done.stdout)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+@pytest.mark.parametrize("attention", ["rope_and_cache", "rope_and_attend"])
+def test_a_decode_step_in_the_fused_kernels_makes_the_tokens_of_the_layer_functions(tiny_qwen, monkeypatch, attention):
     """The fast engine's decode steps through decode_fused (a GPU's default, in fp32 there; forced here, in Triton's
     interpreter, where there is none), on a model with q/k/v biases: the tokens of the layer functions' steps (the
-    runner's `fused_decode` off), log-probs within fp32 noise."""
-    from miles.rollout.local import decode_fused
+    runner's `fused_decode` off), log-probs within fp32 noise; with the RoPE in its own kernel before SDPA, and in
+    the decode attention's kernel (rope_and_attend, a GPU's default)."""
+    from miles.rollout.local import decode_attention, decode_fused
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tok = load_tokenizer(tiny_qwen)
@@ -364,9 +438,16 @@ def test_a_decode_step_in_the_fused_kernels_makes_the_tokens_of_the_layer_functi
     monkeypatch.setattr(decode_fused, "silu_and_mul", lambda *a: calls.append(1) or fused(*a))
     if device == "cpu":
         monkeypatch.setattr(engine.runner, "_fused_kernels", lambda: decode_fused)
+    attended, kernel = [], decode_attention.rope_and_attend
+    if attention == "rope_and_attend":
+        monkeypatch.setattr(engine.runner, "_decode_kernel", lambda: decode_attention)
+        monkeypatch.setattr(decode_attention, "rope_and_attend", lambda *a: attended.append(1) or kernel(*a))
+    else:
+        monkeypatch.setattr(engine.runner, "triton_decode", False)
     engine.runner.release()  # graphs captured without the kernels go
     got = engine.decode(prompts, sp(12, 1.0, 1.0), u)
     assert calls
+    assert bool(attended) == (attention == "rope_and_attend")
     for a, b in zip(got, want):
         assert a.token_ids == b.token_ids
         assert a.log_probs == pytest.approx(b.log_probs, abs=1e-5)

@@ -20,13 +20,13 @@ PROMPTS = ("hello", "a much longer prompt", "x", "what is seven plus two?")
 @pytest.mark.parametrize("slots", [None, 3])
 def test_fast_path_on_cuda_matches_the_eager_reference(tiny_model, slots, monkeypatch):
     """fp32 on the GPU, CUDA graphs on (and 3 slots for 16 requests: rows wait, take freed slots
-    and move down), decode attention in the Triton kernel, tokens drawn by the device draw: the tokens of decoding
-    each prompt alone without a cache, log-probs within fp32 noise."""
+    and move down), the RoPE and decode attention in the Triton kernel, tokens drawn by the device draw: the tokens of
+    decoding each prompt alone without a cache, log-probs within fp32 noise."""
     from miles.rollout.local import decode_attention
     from miles.utils import invariant
 
-    kernel, calls = decode_attention.decode_attention, []
-    monkeypatch.setattr(decode_attention, "decode_attention", lambda *a: calls.append(1) or kernel(*a))
+    kernel, calls = decode_attention.rope_and_attend, []
+    monkeypatch.setattr(decode_attention, "rope_and_attend", lambda *a: calls.append(1) or kernel(*a))
     draw, draws = invariant.sample, []
     monkeypatch.setattr(invariant, "sample", lambda *a: draws.append(1) or draw(*a))
     tok = load_tokenizer(tiny_model)

@@ -460,8 +460,13 @@ class ModelRunner:
         x = self.inner.embed_tokens(tokens)  # (N, hidden)
         if not start and (fused := self._fused_kernels()) is not None and not invariant.enabled():
             longest = max(lengths)
-            attend = lambda i, qkv: packed_causal_attention(*qkv, cu_seq_lens, longest, self.scaling)
-            delta = self._fused_layers(fused, x, positions, attend, slot_of)
+
+            def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:  # each query head's KV head repeated, no GQA
+                rotated = fused.rope_and_cache(qkv, self._cos, self._sin, positions, self.cache.keys[i],
+                                               self.cache.values[i], self.q_heads, False, slot_of, self.group)
+                return packed_causal_attention(*rotated, cu_seq_lens, longest, self.scaling)
+
+            delta = self._fused_layers(fused, x, attend)
             return None if keep is None else self._fused_head(fused, x[wanted], delta[wanted])
         cos, sin, rows = self._cos[positions], self._sin[positions], self._rows(slot_of, positions)
         for i in range(self.num_layers):
@@ -533,9 +538,16 @@ class ModelRunner:
             shared = shared[:, None, None, :]
         x = self.inner.embed_tokens(tokens)  # (b, hidden)
         if (fused := self._fused_kernels()) is not None:
-            attend = lambda i, q: self._decode_attention(kernel, q, self.cache.keys[i], self.cache.values[i],
-                                                         positions, shared, width)
-            return self._fused_head(fused, x, self._fused_layers(fused, x, positions, attend), out)
+            def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
+                keys, values = self.cache.keys[i], self.cache.values[i]
+                if kernel is not None and not self._mode_attention():  # RoPE and the cache write in the kernel too
+                    return kernel.rope_and_attend(qkv, self._cos, self._sin, positions, keys, values, self.q_heads,
+                                                  self.scaling)
+                q = fused.rope_and_cache(qkv, self._cos, self._sin, positions, keys, values, self.q_heads,
+                                         invariant.enabled())
+                return self._decode_attention(kernel, q, keys, values, positions, shared, width)
+
+            return self._fused_head(fused, x, self._fused_layers(fused, x, attend), out)
         cos, sin = self._cos[positions], self._sin[positions]
         rows = self._rows(torch.arange(batch, device=self.device), positions)
         for i in range(self.num_layers):
@@ -558,13 +570,12 @@ class ModelRunner:
             return None
         return decode_fused
 
-    def _fused_layers(self, fused, x: torch.Tensor, positions: torch.Tensor, attend,
-                      slots: torch.Tensor | None = None) -> torch.Tensor:
+    def _fused_layers(self, fused, x: torch.Tensor, attend) -> torch.Tensor:
         """Every layer through `_fused_layer`, the residual stream x updated in place; returns the last layer's output,
         not yet added to x."""
         delta = None
         for i in range(self.num_layers):
-            delta = self._fused_layer(fused, i, x, delta, positions, attend, slots)
+            delta = self._fused_layer(fused, i, x, delta, attend)
         return delta
 
     def _fused_head(self, fused, x: torch.Tensor, delta: torch.Tensor, out: torch.Tensor | None = None):
@@ -572,13 +583,12 @@ class ModelRunner:
         return self._lm_head(x, out, norm=lambda h: fused.rms_norm(h, self.inner.norm.weight, self.eps, delta,
                                                                     self._cast(), invariant.enabled()))
 
-    def _fused_layer(self, fused, i: int, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
-                     attend, slots: torch.Tensor | None = None) -> torch.Tensor:
+    def _fused_layer(self, fused, i: int, x: torch.Tensor, delta: torch.Tensor | None, attend) -> torch.Tensor:
         """Layer i in decode_fused's kernels around the GEMMs: the residual stream x (N, hidden) gets the last layer's
         output `delta` (None before the first) and this layer's attention added in place, each in the norm's kernel
-        after it; returns this layer's MLP output (N, hidden), what the layer functions compute. A decode step (row j
-        in slot j) attends by `attend(i, queries)`, its keys and values in the cache; a prefill (`slots`: each packed
-        token's slot) by `attend(i, (queries, keys, values))`, each query head's KV head repeated.
+        after it; returns this layer's MLP output (N, hidden), what the layer functions compute. `attend(i, qkv)`
+        takes the fused q/k/v projection's rows (N, (Q + 2H) * D) to the attention's output (N, Q, D), the RoPE
+        and the cache write included (a decode step's and a prefill's own ways).
 
         Under --true-on-policy-mode (fp32 weights, bf16 autocast, the batch-invariant kernels) the norms and RoPE
         compute the layer functions' bits (decode_fused.EXACT), each norm returning what the autocast would cast it
@@ -586,12 +596,9 @@ class ModelRunner:
         w, cast = self._weights[i], self._cast()
         qkv_w, o_w, gate_up_w, down_w = w.projections(cast)
         qkv_b, o_b = w.biases(cast)
-        keys, values = self.cache.keys[i], self.cache.values[i]
         exact = invariant.enabled()
         qkv = _linear(fused.rms_norm(x, w.norm, self.eps, delta, cast, exact), qkv_w, qkv_b)
-        rows = fused.rope_and_cache(qkv, self._cos, self._sin, positions, keys, values, self.q_heads, exact, slots,
-                                    None if slots is None else self.group)
-        attention_out = _linear(attend(i, rows).reshape(x.shape[0], -1), o_w, o_b)
+        attention_out = _linear(attend(i, qkv).reshape(x.shape[0], -1), o_w, o_b)
         gate_up = _linear(fused.rms_norm(x, w.post_norm, self.eps, attention_out, cast, exact), gate_up_w)
         if exact:
             gate, up = gate_up.chunk(2, dim=-1)
