@@ -229,6 +229,34 @@ def test_decode_limits_stop_each_row_at_its_budget(tiny_model):
     assert full[0].token_ids[: len(outs[0].token_ids)] == outs[0].token_ids
 
 
+@pytest.mark.parametrize("limits", [[1, 1, 1], [3, 1, 20], [1, 18, 2]])
+def test_the_steps_queued_between_checks_stop_at_the_last_token_any_row_may_draw(tiny_model, limits, monkeypatch):
+    """Between two checks of the device's state (16 steps on a GPU) the host queues decode steps without looking; it
+    queues none past the most tokens a live row may still draw (each row's budget less the tokens it drew if no EOS
+    came, carried when a row moves down a slot): a prefill that draws every row's last token runs no decode step at
+    all, a call's steps stop at its longest budget, not at the next multiple of 16, and no check finds nothing to
+    free. Same tokens either way."""
+    from miles.rollout.local import batching
+
+    checks, harvest = [], batching._Call._harvest
+    monkeypatch.setattr(batching._Call, "_harvest", lambda call: checks.append(1) or harvest(call))
+    tok = load_tokenizer(tiny_model)
+    model = load_causal_lm(tiny_model, device="cpu", attention_backend="sdpa")
+    engine = LocalEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id)  # rows end at their budgets
+    engine.decoder.check_every = 16
+    steps, decode = [], engine.runner.decode
+    engine.runner.decode = lambda batch, *a: steps.append(batch) or decode(batch, *a)
+    prompts = [tok(t)["input_ids"] for t in ("hello", "one two", "x")]
+    u = torch.rand(3, 20, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    outs = engine.decode(prompts, sp(20, 1.0, 1.0), u, limits=limits)
+    assert [len(o.token_ids) for o in outs] == limits
+    assert len(steps) == max(limits) - 1
+    assert len(checks) == max(1, math.ceil((max(limits) - 1) / 16)) + 1  # the last check finds every row done
+    engine.decoder.check_every = 1  # a check after every step: the reference
+    assert [o.token_ids for o in engine.decode(prompts, sp(20, 1.0, 1.0), u, limits=limits)] == \
+        [o.token_ids for o in outs]
+
+
 def test_without_graphs_a_decode_step_runs_at_its_live_rows_count(tiny_model):
     """On the CPU (no CUDA graphs to replay) a step computes only the rows still decoding: as rows
     finish, the batch shrinks one by one, not to the next bucket up (with buckets 3 live rows ran as 4)."""

@@ -107,9 +107,13 @@ class _Call:
         self.waiting = deque(range(n))
         self.owner: list[int | None] = [None] * slots  # host view: the request in each slot
         self.bound = [0] * slots  # host view: an upper bound of each occupied slot's cached length
+        self.left = [0] * slots  # host view: the most tokens each occupied slot may still draw (its budget less
+        # what it drew if no EOS came)
+        self.limits = limits
         self.step_count = 0
 
     def run(self) -> None:
+        queued = 1
         while True:
             self._harvest()
             self._admit()
@@ -117,7 +121,10 @@ class _Call:
             if not occupied:
                 return
             occupied = self._compact(occupied)
-            for _ in range(self.b.check_every):
+            # Steps until the next check, but none past the last token any row may still draw: a row at its budget
+            # is done on the device, and the check frees it (none twice in a row: never wait on a row that is not).
+            queued = min(self.b.check_every, max(self.left[s] for s in occupied)) or (0 if queued else 1)
+            for _ in range(queued):
                 self._step(occupied)
 
     # -- the host's checks -------------------------------------------------------------------------
@@ -161,6 +168,7 @@ class _Call:
             for s, r in zip(slots, reqs):
                 self.owner[s] = r
                 self.bound[s] = len(self.prompts[r]) + 1
+                self.left[s] = max(0, self.limits[r] - 1)  # the prefill drew the first
 
     def _compact(self, occupied: list[int]) -> list[int]:
         """Moves the rows of the highest slots into free lower ones when that shrinks the bucket;
@@ -177,7 +185,7 @@ class _Call:
         self.req.index_fill_(0, src, self.n)
         self.done.index_fill_(0, src, True)
         for s, d in zip(movers, holes):
-            self.owner[d], self.bound[d], self.owner[s] = self.owner[s], self.bound[s], None
+            self.owner[d], self.bound[d], self.left[d], self.owner[s] = self.owner[s], self.bound[s], self.left[s], None
         return [s for s, r in enumerate(self.owner) if r is not None]
 
     # -- the device's work -----------------------------------------------------------------------
@@ -195,6 +203,7 @@ class _Call:
             self.threads.record(len(occupied), time.perf_counter() - start)
         for s in occupied:
             self.bound[s] = min(self.bound[s] + 1, self.runner.cache.length)
+            self.left[s] = max(0, self.left[s] - 1)
         self.step_count += 1
         if self.progress is not None:  # tokens of the longest row: the prefill's first one and a step's each
             self.progress(min(self.step_count + 1, self.steps))
