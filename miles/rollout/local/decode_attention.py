@@ -72,6 +72,29 @@ def rope_and_attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos
 
 
 @triton.jit
+def _cached_columns(query, keys, values, s_kl, count, scale, G: tl.constexpr, D: tl.constexpr, KEYS: tl.constexpr,
+                    IEEE: tl.constexpr):
+    """The online softmax (running max, sum, output; fp32) of a tile of queries (G, D) over one slot's and KV head's
+    cached columns [0, count) at `keys` and `values`, KEYS columns a block; count 0 leaves it empty (max -inf)."""
+    d = tl.arange(0, D)
+    m = tl.full((G,), float("-inf"), tl.float32)
+    total = tl.zeros((G,), tl.float32)
+    acc = tl.zeros((G, D), tl.float32)
+    for n0 in range(0, count, KEYS):  # every block holds at least one column
+        n = n0 + tl.arange(0, KEYS)
+        seen = n < count
+        k = tl.load(keys + n[:, None] * s_kl + d[None, :], mask=seen[:, None], other=0.0)
+        v = tl.load(values + n[:, None] * s_kl + d[None, :], mask=seen[:, None], other=0.0)
+        if IEEE:
+            scores = tl.dot(query, tl.trans(k), input_precision="ieee") * scale
+        else:
+            scores = tl.dot(query, tl.trans(k)) * scale
+        scores = tl.where(seen[None, :], scores, float("-inf"))
+        m, total, acc = softmax_block(m, total, acc, scores, v, IEEE)
+    return m, total, acc
+
+
+@triton.jit
 def _decode_attention(q, keys, values, positions, out, s_qb, s_qh, s_ks, s_kh, s_kl, s_ob, s_oh, scale, group,
                       D: tl.constexpr, G: tl.constexpr, KEYS: tl.constexpr, IEEE: tl.constexpr):
     slot, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -81,20 +104,7 @@ def _decode_attention(q, keys, values, positions, out, s_qb, s_qh, s_ks, s_kh, s
     query = tl.load(q + slot * s_qb + (head * group + r)[:, None] * s_qh + d[None, :], mask=rows[:, None], other=0.0)
     last = tl.load(positions + slot)  # the slot sees columns 0..last
     base = slot * s_ks + head * s_kh
-    m = tl.full((G,), float("-inf"), tl.float32)
-    total = tl.zeros((G,), tl.float32)
-    acc = tl.zeros((G, D), tl.float32)
-    for n0 in range(0, last + 1, KEYS):
-        n = n0 + tl.arange(0, KEYS)
-        seen = n <= last
-        k = tl.load(keys + base + n[:, None] * s_kl + d[None, :], mask=seen[:, None], other=0.0)
-        v = tl.load(values + base + n[:, None] * s_kl + d[None, :], mask=seen[:, None], other=0.0)
-        if IEEE:
-            scores = tl.dot(query, tl.trans(k), input_precision="ieee") * scale
-        else:
-            scores = tl.dot(query, tl.trans(k)) * scale
-        scores = tl.where(seen[None, :], scores, float("-inf"))
-        m, total, acc = softmax_block(m, total, acc, scores, v, IEEE)
+    m, total, acc = _cached_columns(query, keys + base, values + base, s_kl, last + 1, scale, G, D, KEYS, IEEE)
     tl.store(out + slot * s_ob + (head * group + r)[:, None] * s_oh + d[None, :],
              (acc / total[:, None]).to(out.dtype.element_ty), mask=rows[:, None])
 
@@ -125,20 +135,7 @@ def _rope_and_attend(qkv, cos, sin, positions, keys, values, out, s_row, s_pos, 
     base = slot * s_ks + head * s_kh
     tl.store(keys + base + last * s_kl + d, key)
     tl.store(values + base + last * s_kl + d, value)
-    m = tl.full((G,), float("-inf"), tl.float32)
-    total = tl.zeros((G,), tl.float32)
-    acc = tl.zeros((G, D), tl.float32)
-    for n0 in range(0, last, KEYS):  # columns 0 .. last - 1, every block with at least one
-        n = n0 + tl.arange(0, KEYS)
-        seen = n < last
-        k = tl.load(keys + base + n[:, None] * s_kl + d[None, :], mask=seen[:, None], other=0.0)
-        v = tl.load(values + base + n[:, None] * s_kl + d[None, :], mask=seen[:, None], other=0.0)
-        if IEEE:
-            scores = tl.dot(query, tl.trans(k), input_precision="ieee") * scale
-        else:
-            scores = tl.dot(query, tl.trans(k)) * scale
-        scores = tl.where(seen[None, :], scores, float("-inf"))
-        m, total, acc = softmax_block(m, total, acc, scores, v, IEEE)
+    m, total, acc = _cached_columns(query, keys + base, values + base, s_kl, last, scale, G, D, KEYS, IEEE)
     own = tl.sum(query.to(tl.float32) * key.to(tl.float32)[None, :], axis=1) * scale  # the new column
     m_new = tl.maximum(m, own)
     alpha = tl.exp(m - m_new)
