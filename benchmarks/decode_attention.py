@@ -4,7 +4,9 @@ the SDPA call the runner makes without it (g query heads of a KV head as g queri
 the width bucket). Prints the largest difference from SDPA and, on a GPU, the time of a call replayed in a CUDA
 graph (no launch time), per batch, and the bytes of cached keys and values it reads a second against the copy
 bandwidth measured in the run. `--launch BLOCK:WARPS:STAGES ...` times the kernel at other launch settings too
-(columns a block, Triton's num_warps and num_stages; `-` for Triton's default), each checked against SDPA.
+(columns a block, Triton's num_warps and num_stages; `-` for Triton's default), each checked against SDPA. Then the
+engine's form of it, `rope_and_attend` (the RoPE and the KV-cache write in the same kernel), against decode_fused's
+`rope_and_cache` followed by the kernel (what a step ran before), at each launch setting.
 
     python benchmarks/decode_attention.py [--batch 32 128 512] [--prompt 128] [--new 256] [--launch 128:4:3 64:8:-]
     TRITON_INTERPRET=1 python benchmarks/decode_attention.py --device cpu --batch 4 --prompt 16 --new 16  # check
@@ -22,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from common import copy_bandwidth, gpu_times
 
-from miles.rollout.local.decode_attention import KEYS, decode_attention
+from miles.rollout.local.decode_attention import KEYS, decode_attention, rope_and_attend
+from miles.rollout.local.decode_fused import rope_and_cache
 
 HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64
 LENGTH_STEP = 128  # the runner's width buckets
@@ -83,6 +86,26 @@ def main() -> None:
                 rate = read / (ours * 1e-6)  # bytes/s
                 line += (f"; Triton {ours:6.1f} us ({ours / sdpa:.2f}x SDPA), {rate / 1e12:.2f} TB/s read, "
                          f"{rate / bandwidth:.0%} of copy")
+            print(line, flush=True)
+        qkv = torch.randn(b, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=g).to(args.device, dtype)
+        angles = torch.rand(length, 1, HEAD_DIM // 2, generator=g) * 6
+        cos, sin = (torch.cat([f(angles), f(angles)], -1).to(args.device, dtype) for f in (torch.cos, torch.sin))
+        apart_cache = (keys.clone(), values.clone())
+
+        def apart(block=KEYS, launch={}):
+            q = rope_and_cache(qkv, cos, sin, positions, *apart_cache, HEADS)
+            return decode_attention(q, *apart_cache, positions, scale, block=block, **launch)
+
+        for name, (block, launch) in settings:
+            def fused(block=block, launch=launch):
+                return rope_and_attend(qkv, cos, sin, positions, keys, values, HEADS, scale, block=block, **launch)
+
+            line = (f"batch {b:4}, {name:>9}: rope_and_attend's largest difference from rope_and_cache + the kernel "
+                    f"{(fused().float() - apart(block, launch).float()).abs().max():.2e}")
+            if args.device == "cuda":
+                ours = statistics.median(gpu_times(fused)) * 1e6
+                before = statistics.median(gpu_times(lambda: apart(block, launch))) * 1e6
+                line += f"; {ours:6.1f} us against {before:6.1f} us ({before / ours:.2f}x)"
             print(line, flush=True)
 
 

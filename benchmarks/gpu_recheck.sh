@@ -24,7 +24,8 @@
 #   profile         the compiled engine's decode at batch 512 under torch's profiler (its top kernels; ~3 min)
 #   tiles           benchmarks/invariant_tiles.py (~1 min)
 #   attention       benchmarks/decode_attention.py: the decode attention's Triton kernel against SDPA, and at other
-#                   launch settings (ATTENTION_LAUNCH, BLOCK:WARPS:STAGES ...), with the bandwidth it reads at (~1 min)
+#                   launch settings (ATTENTION_LAUNCH, BLOCK:WARPS:STAGES ...), with the bandwidth it reads at; the
+#                   engine's rope_and_attend against rope_and_cache + the kernel at each (~1 min)
 set -uo pipefail
 start=$SECONDS
 out=${OUT:-/tmp}
