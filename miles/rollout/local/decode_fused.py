@@ -10,7 +10,8 @@ batch 512 and +20% at batch 128 on the H200; BENCHMARKS.md):
   `residual`, the residual add before it too (x + residual rounded as torch's add rounds, written into x).
 - `rope_and_cache`: RoPE of the queries and keys read from the fused q/k/v projection's output, the keys and
   values written into the slot cache at each row's position, the queries returned; cos and sin read at the
-  position from the runner's tables.
+  position from the runner's tables. (A decode step with decode_attention's kernel runs it inside that kernel
+  instead: `decode_attention.rope_and_attend`; this one serves the prefill, the mode and SDPA's decode.)
 - `silu_and_mul`: SiLU(gate) * up of the fused gate/up projection's output, rounded once.
 
 The residual adds go into the next norm's kernel. Used by ModelRunner's decode steps and (outside
