@@ -538,9 +538,11 @@ class ModelRunner:
             shared = shared[:, None, None, :]
         x = self.inner.embed_tokens(tokens)  # (b, hidden)
         if (fused := self._fused_kernels()) is not None:
+            rope_in_kernel = kernel is not None and not self._mode_attention()  # RoPE and the cache write in it too
+
             def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
                 keys, values = self.cache.keys[i], self.cache.values[i]
-                if kernel is not None and not self._mode_attention():  # RoPE and the cache write in the kernel too
+                if rope_in_kernel:
                     return kernel.rope_and_attend(qkv, self._cos, self._sin, positions, keys, values, self.q_heads,
                                                   self.scaling)
                 q = fused.rope_and_cache(qkv, self._cos, self._sin, positions, keys, values, self.q_heads,
