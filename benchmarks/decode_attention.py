@@ -92,7 +92,7 @@ def main() -> None:
         cos, sin = (torch.cat([f(angles), f(angles)], -1).to(args.device, dtype) for f in (torch.cos, torch.sin))
         apart_cache = (keys.clone(), values.clone())
 
-        def apart(block=KEYS, launch={}):
+        def apart(block, launch):
             q = rope_and_cache(qkv, cos, sin, positions, *apart_cache, HEADS)
             return decode_attention(q, *apart_cache, positions, scale, block=block, **launch)
 
