@@ -318,13 +318,15 @@ def sample(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float) -> 
         width = max(2, 1 << (blocks - 1).bit_length())  # a power of two >= blocks
         maxes = torch.empty(batch, blocks, dtype=torch.float32, device=logits.device)
         masses = torch.empty(batch, blocks, dtype=torch.int64, device=logits.device)
-        kernels.block_max[(batch, blocks)](logits, logits.stride(0), maxes, vocab, float(temperature), CHUNK=CHUNK)
+        divide = temperature != 1.0  # x / 1 is x: no division at temperature 1
+        kernels.block_max[(batch, blocks)](logits, logits.stride(0), maxes, vocab, float(temperature), CHUNK=CHUNK,
+                                           DIVIDE=divide)
         units, unit = fixed_point(vocab)
         kernels.block_mass[(batch, blocks)](logits, logits.stride(0), maxes, masses, vocab, float(temperature), units,
-                                            CHUNK=CHUNK, BLOCKS=width)
+                                            CHUNK=CHUNK, BLOCKS=width, DIVIDE=divide)
         kernels.draw[(batch,)](logits, logits.stride(0), maxes, masses,
                                uniforms.to(logits.device, torch.float64).contiguous(), tokens, log_probs, vocab,
-                               float(temperature), units, unit, blocks, CHUNK=CHUNK, BLOCKS=width)
+                               float(temperature), units, unit, blocks, CHUNK=CHUNK, BLOCKS=width, DIVIDE=divide)
     return tokens, log_probs
 
 
@@ -337,7 +339,8 @@ class _TokenLogProbs(torch.autograd.Function):
         if rows:
             logits = _rows(logits)
             _kernels().token_log_probs[(rows,)](logits, logits.stride(0), targets.contiguous(), log_probs, log_z,
-                                                vocab, float(temperature), *fixed_point(vocab), CHUNK=CHUNK)
+                                                vocab, float(temperature), *fixed_point(vocab), CHUNK=CHUNK,
+                                                DIVIDE=temperature != 1.0)
         ctx.save_for_backward(logits, targets, log_z)
         ctx.temperature = temperature
         ctx.mark_non_differentiable(log_z)

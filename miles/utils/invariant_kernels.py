@@ -133,15 +133,22 @@ def attention(q, k, v, o, tile_first, tile_count, tile_position, tile_base, s_qn
 
 
 @triton.jit
-def scaled(base, at, V, temperature):
-    """The logits at `at` of one row, divided by the temperature (rounded as IEEE division rounds); -inf past V."""
-    return tl.div_rn(tl.load(base + at, mask=at < V, other=float("-inf")).to(tl.float32), temperature)
+def divided(x, temperature, DIVIDE: tl.constexpr):
+    """x / temperature, rounded as IEEE division rounds; x itself where DIVIDE is off (temperature 1: the same bits,
+    without a division's instructions for every logit)."""
+    return tl.div_rn(x, temperature) if DIVIDE else x
 
 
 @triton.jit
-def fixed_masses(base, at, V, temperature, m, units):
+def scaled(base, at, V, temperature, DIVIDE: tl.constexpr):
+    """The logits at `at` of one row in fp32, divided by the temperature (`divided`); -inf past V."""
+    return divided(tl.load(base + at, mask=at < V, other=float("-inf")).to(tl.float32), temperature, DIVIDE)
+
+
+@triton.jit
+def fixed_masses(base, at, V, temperature, m, units, DIVIDE: tl.constexpr):
     """exp(x - m) of the logits at `at`, x = logit / temperature, in whole units (int64, rounded down)."""
-    return (tl.exp(scaled(base, at, V, temperature) - m) * units).to(tl.int64)
+    return (tl.exp(scaled(base, at, V, temperature, DIVIDE) - m) * units).to(tl.int64)
 
 
 @triton.jit
@@ -158,48 +165,54 @@ def row_max_of_blocks(maxes, row, blocks, BLOCKS: tl.constexpr):
 
 
 @triton.jit
-def row_log_z(base, V, temperature, units, unit, CHUNK: tl.constexpr):
+def row_log_z(base, V, temperature, units, unit, CHUNK: tl.constexpr, DIVIDE: tl.constexpr):
     """(max, mass, log-sum-exp) of one row's V logits / temperature: max exact, mass the fixed-point sum of
     exp(x - max) (int64, in units: `units` = 1 / `unit` of them make 1), log-sum-exp = max + log(mass * unit)."""
     offs = tl.arange(0, CHUNK)
     m = tl.full((), float("-inf"), tl.float32)
-    for c0 in range(0, V, CHUNK):
-        m = tl.maximum(m, tl.max(scaled(base, c0 + offs, V, temperature), axis=0))
+    for c0 in range(0, V, CHUNK):  # the max of the logits, divided once after (block_max says why: the same bits)
+        at = c0 + offs
+        m = tl.maximum(m, tl.max(tl.load(base + at, mask=at < V, other=float("-inf")).to(tl.float32), axis=0))
+    m = divided(m, temperature, DIVIDE)
     mass = tl.zeros((), tl.int64)
     for c0 in range(0, V, CHUNK):
-        mass += tl.sum(fixed_masses(base, c0 + offs, V, temperature, m, units), axis=0)
+        mass += tl.sum(fixed_masses(base, c0 + offs, V, temperature, m, units, DIVIDE), axis=0)
     return m, mass, log_sum_exp(m, mass, unit)
 
 @triton.jit
-def token_log_probs(x, s_row, targets, log_probs, log_z, V, temperature, units, unit, CHUNK: tl.constexpr):
+def token_log_probs(x, s_row, targets, log_probs, log_z, V, temperature, units, unit, CHUNK: tl.constexpr,
+                    DIVIDE: tl.constexpr):
     """Each row's log-prob of its target, as `sample` reports it for the token it draws; and its log-sum-exp."""
     row = tl.program_id(0).to(tl.int64)
     base = x + row * s_row
-    _, _, z = row_log_z(base, V, temperature, units, unit, CHUNK)
+    _, _, z = row_log_z(base, V, temperature, units, unit, CHUNK, DIVIDE)
     target = tl.load(targets + row)
-    tl.store(log_probs + row, scaled(base, target, V, temperature) - z)
+    tl.store(log_probs + row, scaled(base, target, V, temperature, DIVIDE) - z)
     tl.store(log_z + row, z)
 
 @triton.jit
-def block_max(logits, s_row, maxes, V, temperature, CHUNK: tl.constexpr):
-    """The draw's first pass, one program per (row, block of CHUNK logits): the block's max of logits / temperature."""
+def block_max(logits, s_row, maxes, V, temperature, CHUNK: tl.constexpr, DIVIDE: tl.constexpr):
+    """The draw's first pass, one program per (row, block of CHUNK logits): the block's max of logits / temperature,
+    as the max of the logits divided once (rounded division by a positive number keeps the order: the same bits)."""
     row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
     at = block * CHUNK + tl.arange(0, CHUNK)
-    tl.store(maxes + row * tl.num_programs(1) + block, tl.max(scaled(logits + row * s_row, at, V, temperature), axis=0))
+    top = tl.max(tl.load(logits + row * s_row + at, mask=at < V, other=float("-inf")).to(tl.float32), axis=0)
+    tl.store(maxes + row * tl.num_programs(1) + block, divided(top, temperature, DIVIDE))
 
 @triton.jit
-def block_mass(logits, s_row, maxes, masses, V, temperature, units, CHUNK: tl.constexpr, BLOCKS: tl.constexpr):
+def block_mass(logits, s_row, maxes, masses, V, temperature, units, CHUNK: tl.constexpr, BLOCKS: tl.constexpr,
+               DIVIDE: tl.constexpr):
     """The second pass: the row's max (of the block maxes, exact), then the block's fixed-point mass."""
     row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
     blocks = tl.num_programs(1)
     m = row_max_of_blocks(maxes, row, blocks, BLOCKS)
     at = block * CHUNK + tl.arange(0, CHUNK)
-    tl.store(masses + row * blocks + block, tl.sum(fixed_masses(logits + row * s_row, at, V, temperature, m, units),
-                                                   axis=0))
+    tl.store(masses + row * blocks + block,
+             tl.sum(fixed_masses(logits + row * s_row, at, V, temperature, m, units, DIVIDE), axis=0))
 
 @triton.jit
 def draw(logits, s_row, maxes, masses, uniforms, tokens, log_probs, V, temperature, units, unit, blocks,
-         CHUNK: tl.constexpr, BLOCKS: tl.constexpr):
+         CHUNK: tl.constexpr, BLOCKS: tl.constexpr, DIVIDE: tl.constexpr):
     """The last step, one program per row: the row's mass (the blocks' integer masses added), the block whose
     cumulative mass first exceeds uniform * mass, then the token within it; its log-prob as `token_log_probs`
     computes it. All sums are integers, so a token's interval does not depend on how the row was cut."""
@@ -215,8 +228,8 @@ def draw(logits, s_row, maxes, masses, uniforms, tokens, log_probs, V, temperatu
     block = tl.minimum(tl.sum((ends <= target).to(tl.int32), axis=0), blocks - 1)  # first block ending past it
     below = tl.sum(tl.where(b < block, per_block, 0), axis=0)
     at = block * CHUNK + tl.arange(0, CHUNK)
-    cdf = below + tl.cumsum(fixed_masses(base, at, V, temperature, m, units), axis=0)
+    cdf = below + tl.cumsum(fixed_masses(base, at, V, temperature, m, units, DIVIDE), axis=0)
     token = block * CHUNK + tl.sum((cdf <= target).to(tl.int64), axis=0)
     token = tl.minimum(token, V - 1)
     tl.store(tokens + row, token)
-    tl.store(log_probs + row, scaled(base, token, V, temperature) - z)
+    tl.store(log_probs + row, scaled(base, token, V, temperature, DIVIDE) - z)
