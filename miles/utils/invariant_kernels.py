@@ -140,9 +140,15 @@ def divided(x, temperature, DIVIDE: tl.constexpr):
 
 
 @triton.jit
+def raw(base, at, V):
+    """The logits at `at` of one row in fp32; -inf past V."""
+    return tl.load(base + at, mask=at < V, other=float("-inf")).to(tl.float32)
+
+
+@triton.jit
 def scaled(base, at, V, temperature, DIVIDE: tl.constexpr):
     """The logits at `at` of one row in fp32, divided by the temperature (`divided`); -inf past V."""
-    return divided(tl.load(base + at, mask=at < V, other=float("-inf")).to(tl.float32), temperature, DIVIDE)
+    return divided(raw(base, at, V), temperature, DIVIDE)
 
 
 @triton.jit
@@ -171,8 +177,7 @@ def row_log_z(base, V, temperature, units, unit, CHUNK: tl.constexpr, DIVIDE: tl
     offs = tl.arange(0, CHUNK)
     m = tl.full((), float("-inf"), tl.float32)
     for c0 in range(0, V, CHUNK):  # the max of the logits, divided once after (block_max says why: the same bits)
-        at = c0 + offs
-        m = tl.maximum(m, tl.max(tl.load(base + at, mask=at < V, other=float("-inf")).to(tl.float32), axis=0))
+        m = tl.maximum(m, tl.max(raw(base, c0 + offs, V), axis=0))
     m = divided(m, temperature, DIVIDE)
     mass = tl.zeros((), tl.int64)
     for c0 in range(0, V, CHUNK):
@@ -196,7 +201,7 @@ def block_max(logits, s_row, maxes, V, temperature, CHUNK: tl.constexpr, DIVIDE:
     as the max of the logits divided once (rounded division by a positive number keeps the order: the same bits)."""
     row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
     at = block * CHUNK + tl.arange(0, CHUNK)
-    top = tl.max(tl.load(logits + row * s_row + at, mask=at < V, other=float("-inf")).to(tl.float32), axis=0)
+    top = tl.max(raw(logits + row * s_row, at, V), axis=0)
     tl.store(maxes + row * tl.num_programs(1) + block, divided(top, temperature, DIVIDE))
 
 @triton.jit
