@@ -26,7 +26,8 @@ import torch
 from transformers import DynamicCache
 
 from miles.rollout.local.decode import CachedForward
-from miles.rollout.local.runner import LENGTH_STEP, ModelRunner, batch_buckets, bucket
+from miles.rollout.local.runner import LENGTH_STEP, ModelRunner
+from miles.rollout.local.slot_cache import batch_buckets, bucket
 
 
 def _layers_kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:

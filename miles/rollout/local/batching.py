@@ -33,7 +33,8 @@ import torch
 
 from miles.config import SamplingParams
 from miles.rollout.engine import GenerationOutput
-from miles.rollout.local.runner import ModelRunner, bucket, upload
+from miles.rollout.local.runner import ModelRunner
+from miles.rollout.local.slot_cache import bucket, upload
 from miles.rollout.sampling import compiled_sample_tokens, sample_tokens
 from miles.utils.cpu_threads import StepThreads, runnable_elsewhere, step_threads_allowed
 

@@ -3,7 +3,7 @@
 The runner keeps the model's modules (embeddings, norms, projections, MLPs, the LM head; so the
 numbers are the model's own, and weight updates reach it as they reach the model) and replaces
 only attention and its cache:
-  - `SlotKVCache`: per layer an (S, H, L, D) key and value tensor, views of one tensor allocated once. A sequence
+  - `SlotKVCache` (slot_cache.py): per layer an (S, H, L, D) key and value tensor, views of one tensor allocated once. A sequence
     owns a slot; its token at position p is cached at column p of its slot.
   - prefill: the prompts of a batch packed into one row of tokens (no padding), attention per
     prompt (miles.utils.varlen: torch's `varlen_attn` on a GPU in bf16, one causal SDPA per prompt on the CPU),
@@ -23,13 +23,13 @@ only attention and its cache:
 Each layer runs as two functions of tensors, `_pre_attention` (norm, one fused q/k/v projection,
 RoPE, the keys and values written into the cache) and `_post_attention` (output projection,
 residual, norm, one fused gate/up projection, activation, down projection, residual), computing what
-the HF modules compute. The fused projections are single tensors whose row blocks *are* the modules'
+the HF modules compute. The fused projections (weights.py) are single tensors whose row blocks *are* the modules'
 parameters (views), so a weight update copied into the parameters is in them. With `compile=True` the two functions
 go through torch.compile (one trace for every layer and batch), so the elementwise work between
 the matmuls runs as a few fused kernels. On the CPU in fp32 (not compiled) the projections and the LM
-head run on copies of their weights packed once for oneDNN (`_Packed`), packed again when a weight
+head run on copies of their weights packed once for oneDNN (`weights.Packed`), packed again when a weight
 update has written into the parameters. Under an autocast to bf16 over fp32 weights (true on-policy
-mode) they run on bf16 copies made once (`_Cast`), written again in place after a weight update; on a
+mode) they run on bf16 copies made once (`weights.Cast`), written again in place after a weight update; on a
 GPU decode attention then runs miles.utils.invariant's kernel: what the trainer computes, bit for bit.
 
 Shapes: S slots, L slot length, H KV heads, Q query heads, D head dim, V vocabulary, N packed tokens.
@@ -42,6 +42,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from miles.rollout.local.slot_cache import SlotKVCache, batch_buckets, upload
+from miles.rollout.local.weights import Cast, LayerWeights, Packed
 from miles.utils import invariant
 from miles.utils.autocast import autocast_dtype
 from miles.utils.varlen import packed_causal_attention
@@ -51,7 +53,6 @@ logger = logging.getLogger("miles")
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 LENGTH_STEP = 128  # slot columns attended in multiples of this (a CUDA graph per length bucket)
 EAGER_LENGTH_STEP = 16  # the same without graphs (the CPU): attention reads little beyond the longest row
-PACK_ROWS_HINT = 32  # the rows oneDNN lays packed weights out for (any count runs): a CPU decode batch
 SHARED_PREFIX_MIN = 16  # the CPU prefill computes a prefix this long, common to a call's prompts, once
 
 
@@ -74,60 +75,6 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def batch_buckets(limit: int) -> list[int]:
-    """Batch sizes a decode step is run at: 1, 2, 4, 8, then steps of 16 to 128, 32 to 256,
-    64 to 512, 128 beyond; up to and including the first >= limit."""
-    sizes, b = [], 1
-    while not sizes or sizes[-1] < limit:
-        sizes.append(b)
-        b = b * 2 if b < 8 else b + (16 if b < 128 else 32 if b < 256 else 64 if b < 512 else 128)
-    return sizes
-
-
-def bucket(n: int, sizes: list[int]) -> int:
-    return next(s for s in sizes if s >= n)
-
-
-def upload(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
-    """Lists of ints as int64 tensors on `device`, made on the host and copied in one transfer. On a GPU the copy is
-    from pinned memory, queued behind the GPU's work: a copy from pageable memory (`torch.tensor(..., device=...)`)
-    waits for the stream's queued work first, so the host would build the next prefill forward only after the GPU
-    finished the last (3.5-4.4 ms of idle GPU between batch 512's prefill forwards on an H100: BENCHMARKS.md)."""
-    host = torch.tensor([v for values in lists for v in values], dtype=torch.long)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return list(host.to(device, non_blocking=True).split([len(values) for values in lists]))
-
-
-class SlotKVCache:
-    """Every layer's keys and values in one (2, layers, S, H, L, D) tensor; `keys[i]` and `values[i]` are layer i's
-    (S, H, L, D) views. One tensor lets a slot's columns move for every layer in one copy: moving two slots as 60
-    per-layer indexed copies took 9.9 ms on the 2-core CPU (each opened a parallel region whose sleeping thread had
-    to be woken), one basic-slice copy per slot 0.6 ms (BENCHMARKS.md, 2026-12-06)."""
-
-    def __init__(self, *, layers: int, slots: int, length: int, kv_heads: int, head_dim: int, dtype, device):
-        self.data = torch.zeros((2, layers, slots, kv_heads, length, head_dim), dtype=dtype, device=device)
-        self.keys, self.values = list(self.data[0]), list(self.data[1])
-        self.slots, self.length = slots, length
-
-    @staticmethod
-    def slot_bytes(*, layers: int, length: int, kv_heads: int, head_dim: int, dtype) -> int:
-        return 2 * layers * kv_heads * length * head_dim * torch.empty(0, dtype=dtype).element_size()
-
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
-
-    def move(self, src: list[int], dst: list[int]) -> None:
-        """Copies slot src[j] to slot dst[j] in every layer (no slot both a source and a destination)."""
-        self.copy_columns(src, dst, self.length)
-
-    def copy_columns(self, src: list[int], dst: list[int], columns: int) -> None:
-        """Copies columns [0, columns) of slot src[j] to slot dst[j] in every layer, one copy per pair (a source may
-        repeat; no slot both a source and a destination)."""
-        for s, d in zip(src, dst):
-            self.data[:, :, d, :, :columns] = self.data[:, :, s, :, :columns]
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -141,16 +88,10 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; oneDNN's linear when `w` is a weight packed by `_pack` (the CPU decode)."""
+    """F.linear; oneDNN's linear when `w` is a weight packed by `weights.pack_weight` (the CPU decode)."""
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     return F.linear(x, w, b)
-
-
-def _pack(w: torch.Tensor) -> torch.Tensor:
-    """`w` reordered once into oneDNN's blocked layout for its linear (benchmarks/cpu_linear.py: the
-    decode's GEMMs 1.0-1.6x faster, the LM head 2.4-2.9x; outputs within fp32 rounding of F.linear)."""
-    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
 
 
 def _pre_attention(x, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin, keys, values, rows, *, heads: int, kv_heads: int,
@@ -177,103 +118,6 @@ def _post_attention(x, attended, o_w, o_b, norm, gate_up_w, down_w, *, eps: floa
     x = x + _linear(attended, o_w, o_b)
     gate, up = _linear(_rms_norm(x, norm, eps), gate_up_w).chunk(2, dim=-1)
     return x + _linear(F.silu(gate) * up, down_w)
-
-
-def _fuse(linears, attr: str) -> torch.Tensor:
-    """One tensor of the linears' `attr` (weight or bias) stacked by rows, whose row blocks become
-    those parameters (views of it)."""
-    fused = torch.cat([getattr(lin, attr).detach() for lin in linears])
-    start = 0
-    for lin in linears:
-        old = getattr(lin, attr)
-        setattr(lin, attr, torch.nn.Parameter(fused[start:start + old.shape[0]], requires_grad=old.requires_grad))
-        start += old.shape[0]
-    return fused
-
-
-def _fuse_bias(linears) -> torch.Tensor | None:
-    """The fused bias, None when no linear has one (a missing one among others becomes zeros)."""
-    if all(lin.bias is None for lin in linears):
-        return None
-    for lin in linears:
-        if lin.bias is None:
-            lin.bias = torch.nn.Parameter(torch.zeros(lin.weight.shape[0], dtype=lin.weight.dtype,
-                                                      device=lin.weight.device), requires_grad=False)
-    return _fuse(linears, "bias")
-
-
-class _Packed:
-    """A weight packed for oneDNN (`_pack`), packed again when the weight changed in place since (a
-    weight sync copies into the parameters; torch counts in-place writes in `_version`, shared by views)."""
-
-    def __init__(self, weight: torch.Tensor):
-        self.weight, self.version, self.packed = weight, None, None
-
-    def get(self) -> torch.Tensor:
-        if self.version != self.weight._version:
-            self.packed, self.version = _pack(self.weight), self.weight._version
-        return self.packed
-
-
-class _Cast:
-    """`weight` in `dtype`, as autocast casts it at every use (fp32 weights under bf16 autocast: true on-policy
-    mode), made once and written again in place when the weight changed, so CUDA graphs keep reading it."""
-
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
-        self.weight, self.copy, self.version = weight, weight.detach().to(dtype), weight._version
-
-    def get(self) -> torch.Tensor:
-        if self.version != self.weight._version:
-            self.copy.copy_(self.weight.detach())
-            self.version = self.weight._version
-        return self.copy
-
-
-class _LayerWeights:
-    """One decoder layer's tensors as the layer functions take them; fused blocks are views. With `pack`
-    (the CPU decode in fp32, not compiled) the four projections also in oneDNN's packed layout; under
-    autocast (`cast`), the projections and biases as the autocast dtype's copies (_Cast)."""
-
-    def __init__(self, layer, pack: bool = False):
-        attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
-        self.gate_up = (mlp.gate_proj, mlp.up_proj)
-        self.qkv_w, self.qkv_b = _fuse(self.qkv, "weight"), _fuse_bias(self.qkv)
-        self.gate_up_w = _fuse(self.gate_up, "weight")
-        self.norm, self.post_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
-        self.q_norm = attn.q_norm.weight if hasattr(attn, "q_norm") else None
-        self.k_norm = attn.k_norm.weight if hasattr(attn, "k_norm") else None
-        self.o_w, self.o_b = attn.o_proj.weight, attn.o_proj.bias
-        self.down_w = mlp.down_proj.weight
-        self.packed = [_Packed(w) for w in (self.qkv_w, self.o_w, self.gate_up_w, self.down_w)] if pack else None
-        self.casts: list[_Cast | None] = []  # of qkv_w, o_w, gate_up_w, down_w, qkv_b, o_b, in `cast_dtype`
-        self.cast_dtype = None
-
-    def projections(self, cast: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
-        """The q/k/v, output, gate/up and down weights as the layer functions take them."""
-        if cast is not None:
-            return tuple(c.get() for c in self._casts(cast)[:4])
-        if self.packed is None:
-            return self.qkv_w, self.o_w, self.gate_up_w, self.down_w
-        return tuple(p.get() for p in self.packed)
-
-    def biases(self, cast: torch.dtype | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The q/k/v and output biases (None where the model has none)."""
-        if cast is None:
-            return self.qkv_b, self.o_b
-        return tuple(c.get() if c is not None else None for c in self._casts(cast)[4:])
-
-    def _casts(self, dtype: torch.dtype) -> list[_Cast | None]:
-        if self.cast_dtype != dtype:
-            tensors = (self.qkv_w, self.o_w, self.gate_up_w, self.down_w, self.qkv_b, self.o_b)
-            self.casts, self.cast_dtype = [_Cast(t, dtype) if t is not None else None for t in tensors], dtype
-        return self.casts
-
-    def current(self) -> bool:
-        """Whether the modules' weights are still views of the fused tensors (moving the model
-        between devices makes them separate tensors again)."""
-        return (self.qkv[0].weight.data_ptr() == self.qkv_w.data_ptr()
-                and self.gate_up[0].weight.data_ptr() == self.gate_up_w.data_ptr())
 
 
 class ModelRunner:
@@ -303,13 +147,13 @@ class ModelRunner:
         if compile:
             self._pre = torch.compile(_pre_attention, dynamic=True, fullgraph=True)
             self._post = torch.compile(_post_attention, dynamic=True, fullgraph=True)
-        self._weights: list[_LayerWeights] = []
+        self._weights: list[LayerWeights] = []
         # The CPU decode in fp32 runs its GEMMs on weights packed for oneDNN (not compiled: Inductor
         # packs CPU weights itself only when it may treat them as constants).
         self.pack = (self.device.type == "cpu" and self.dtype == torch.float32 and not compile
                      and torch.backends.mkldnn.is_available())
-        self._head = _Packed(model.lm_head.weight) if self.pack and model.lm_head.bias is None else None
-        self._head_cast: _Cast | None = None
+        self._head = Packed(model.lm_head.weight) if self.pack and model.lm_head.bias is None else None
+        self._head_cast: Cast | None = None
 
     @property
     def num_layers(self) -> int:
@@ -326,7 +170,7 @@ class ModelRunner:
         a smaller one is replaced, its graphs dropped, and with `keep` its contents copied over."""
         length = -(-length // LENGTH_STEP) * LENGTH_STEP
         if not self._weights or not all(w.current() for w in self._weights):
-            self._weights = [_LayerWeights(layer, self.pack) for layer in self.inner.layers]
+            self._weights = [LayerWeights(layer, self.pack) for layer in self.inner.layers]
             self._graphs, self._pool = {}, None  # they read the tensors the fusing replaced
         if self.cache is not None and self.cache.slots >= slots and self.cache.length >= length:
             return
@@ -396,7 +240,7 @@ class ModelRunner:
         if (cast := self._cast()) is not None:  # as autocast computes head(h), from a copy cast once
             made = self._head_cast
             if made is None or made.copy.dtype != cast or made.weight is not head.weight:
-                self._head_cast = _Cast(head.weight, cast)
+                self._head_cast = Cast(head.weight, cast)
             logits = F.linear(h, self._head_cast.get(), None if head.bias is None else head.bias.to(cast))
             return logits if out is None else out.copy_(logits)
         if self._head is not None and self._head.weight is head.weight:
@@ -638,7 +482,7 @@ class ModelRunner:
         return F.scaled_dot_product_attention(grouped, keys[:batch, :, :width], values[:batch, :, :width],
                                               attn_mask=shared, scale=self.scaling)
 
-    def _casts(self) -> list[_Cast]:
+    def _casts(self) -> list[Cast]:
         """The weights' cast copies made so far (none outside autocast)."""
         casts = [c for w in self._weights for c in w.casts if c is not None]
         return casts + ([self._head_cast] if self._head_cast is not None else [])
