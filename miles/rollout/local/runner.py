@@ -3,8 +3,8 @@
 The runner keeps the model's modules (embeddings, norms, projections, MLPs, the LM head; so the
 numbers are the model's own, and weight updates reach it as they reach the model) and replaces
 only attention and its cache:
-  - `SlotKVCache` (slot_cache.py): per layer an (S, H, L, D) key and value tensor, views of one tensor allocated once. A sequence
-    owns a slot; its token at position p is cached at column p of its slot.
+  - `SlotKVCache` (slot_cache.py): per layer an (S, H, L, D) key and value tensor, views of one tensor allocated
+    once. A sequence owns a slot; its token at position p is cached at column p of its slot.
   - prefill: the prompts of a batch packed into one row of tokens (no padding), attention per
     prompt (miles.utils.varlen: torch's `varlen_attn` on a GPU in bf16, one causal SDPA per prompt on the CPU),
     their keys and values written to their slots in one indexed copy per layer (in `_pre_attention`; on a GPU by
