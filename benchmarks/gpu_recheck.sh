@@ -23,6 +23,9 @@
 #                   of its mean)
 #   profile         the compiled engine's decode at batch 512 under torch's profiler (its top kernels; ~3 min)
 #   tiles           benchmarks/invariant_tiles.py (~1 min)
+#   ab              benchmarks/ab_decode.sh: the engine's decode, the build before a change (this tree with .ab/'s files
+#                   over it; carry .ab) against this tree, alternated (AB_ROUNDS x 2 engine_decode.py runs, ~45 s each
+#                   warm at batch 512; AB_LIMIT (s, default 400) stops it)
 #   attention       benchmarks/decode_attention.py: the decode attention's Triton kernel against SDPA, and at other
 #                   launch settings (ATTENTION_LAUNCH, BLOCK:WARPS:STAGES ...), with the bandwidth it reads at; the
 #                   engine's rope_and_attend against rope_and_cache + the kernel at each (~1 min)
@@ -61,6 +64,7 @@ for s in "${stages[@]}"; do
     tiles) stage tiles 90 python3 benchmarks/invariant_tiles.py --repeats 5 --calls 20 ;;
     attention) stage attention 90 python3 benchmarks/decode_attention.py --batch 32 128 512 \
                  --launch ${ATTENTION_LAUNCH:-128:4:- 64:8:- 64:4:2 64:4:4 32:4:-} ;;
+    ab) stage ab "${AB_LIMIT:-400}" bash benchmarks/ab_decode.sh ;;
     *) echo "unknown stage $s" ;;
   esac
 done
