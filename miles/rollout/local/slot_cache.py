@@ -1,8 +1,8 @@
 """The fast engine's slot KV cache, its batch buckets, and the one-copy upload of the host's index lists.
 
 A decode call's sequences each own a slot of the cache; a step runs the lowest slots at a bucket's size (a CUDA
-graph per bucket on a GPU). `ModelRunner` owns the cache; the continuous batchers (`batching.py`, `miles serve`'s
-`serve/batch.py`) pick the buckets and upload their index lists through `upload`.
+graph per bucket on a GPU). `ModelRunner` owns the cache and sends its index lists up through `upload`, as
+batching.py does; the continuous batchers (batching.py, `miles serve`'s serve/batch.py) pick the buckets (`bucket`).
 """
 
 from __future__ import annotations
