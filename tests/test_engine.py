@@ -233,7 +233,7 @@ def test_decode_limits_stop_each_row_at_its_budget(tiny_model):
 def test_the_steps_queued_between_checks_stop_at_the_last_token_any_row_may_draw(tiny_model, limits, monkeypatch):
     """Between two checks of the device's state (16 steps on a GPU) the host queues decode steps without looking; it
     queues none past the most tokens a live row may still draw (each row's budget less the tokens it drew if no EOS
-    came, carried when a row moves down a slot): a prefill that draws every row's last token runs no decode step at
+    came): a prefill that draws every row's last token runs no decode step at
     all, a call's steps stop at its longest budget, not at the next multiple of 16, and no check finds nothing to
     free. Same tokens either way."""
     from miles.rollout.local import batching
@@ -254,6 +254,29 @@ def test_the_steps_queued_between_checks_stop_at_the_last_token_any_row_may_draw
     assert len(checks) == max(1, math.ceil((max(limits) - 1) / 16)) + 1  # the last check finds every row done
     engine.decoder.check_every = 1  # a check after every step: the reference
     assert [o.token_ids for o in engine.decode(prompts, sp(20, 1.0, 1.0), u, limits=limits)] == \
+        [o.token_ids for o in outs]
+
+
+def test_a_row_moved_down_a_slot_keeps_its_age(tiny_model):
+    """2 slots, 3 requests, 4 steps between checks: a short row in slot 0 finishes, the next request takes slot 0
+    later and finishes too, and the long row of slot 1, prefilled first, moves down into slot 0. Its cached length
+    and the tokens it may still draw follow from the steps since its own prefill, not the slot's last occupant's:
+    the steps stop at its last token (29), and its tokens are the reference's (a check after every step)."""
+    tok = load_tokenizer(tiny_model)
+    model = load_causal_lm(tiny_model, device="cpu", attention_backend="sdpa")
+    engine = LocalEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id)  # rows end at their budgets
+    engine.decoder.max_slots = lambda length: 2
+    engine.decoder.check_every = 4
+    steps, decode = [], engine.runner.decode
+    engine.runner.decode = lambda batch, *a: steps.append(batch) or decode(batch, *a)
+    prompts = [tok(t)["input_ids"] for t in ("hello", "one two", "x")]
+    u = torch.rand(3, 30, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    limits = [3, 30, 3]
+    outs = engine.decode(prompts, sp(30, 1.0, 1.0), u, limits=limits)
+    assert [len(o.token_ids) for o in outs] == limits
+    assert steps.count(1) > 0 and len(steps) == 29  # it ran alone, in slot 0, to its 30th token
+    engine.decoder.check_every = 1
+    assert [o.token_ids for o in engine.decode(prompts, sp(30, 1.0, 1.0), u, limits=limits)] == \
         [o.token_ids for o in outs]
 
 

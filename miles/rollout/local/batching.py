@@ -107,9 +107,8 @@ class _Call:
         self.stopped = torch.zeros(slots, dtype=torch.bool, device=dev)
         self.waiting = deque(range(n))
         self.owner: list[int | None] = [None] * slots  # host view: the request in each slot
-        self.bound = [0] * slots  # host view: an upper bound of each occupied slot's cached length
-        self.left = [0] * slots  # host view: the most tokens each occupied slot may still draw (its budget less
-        # what it drew if no EOS came)
+        self.joined = [0] * slots  # host view: the step count when each occupied slot's row was prefilled (its
+        # age, the steps since, bounds its cached length and the tokens it may still draw: `_bound`, `_left`)
         self.limits = limits
         self.step_count = 0
 
@@ -124,7 +123,7 @@ class _Call:
             occupied = self._compact(occupied)
             # Steps until the next check, but none past the last token any row may still draw: a row at its budget
             # is done on the device, and the check frees it (none twice in a row: never wait on a row that is not).
-            queued = min(self.b.check_every, max(self.left[s] for s in occupied)) or (0 if queued else 1)
+            queued = min(self.b.check_every, max(self._left(s) for s in occupied)) or (0 if queued else 1)
             for _ in range(queued):
                 self._step(occupied)
 
@@ -168,8 +167,7 @@ class _Call:
             self._advance(index, logits)
             for s, r in zip(slots, reqs):
                 self.owner[s] = r
-                self.bound[s] = len(self.prompts[r]) + 1
-                self.left[s] = max(0, self.limits[r] - 1)  # the prefill drew the first
+                self.joined[s] = self.step_count
 
     def _compact(self, occupied: list[int]) -> list[int]:
         """Moves the rows of the highest slots into free lower ones when that shrinks the bucket;
@@ -186,15 +184,24 @@ class _Call:
         self.req.index_fill_(0, src, self.n)
         self.done.index_fill_(0, src, True)
         for s, d in zip(movers, holes):
-            self.owner[d], self.bound[d], self.left[d], self.owner[s] = self.owner[s], self.bound[s], self.left[s], None
+            self.owner[d], self.joined[d], self.owner[s] = self.owner[s], self.joined[s], None
         return [s for s, r in enumerate(self.owner) if r is not None]
+
+    def _bound(self, s: int) -> int:
+        """An upper bound of occupied slot s's cached length: its prompt, the prefill's token and one a step since."""
+        return min(len(self.prompts[self.owner[s]]) + 1 + self.step_count - self.joined[s], self.runner.cache.length)
+
+    def _left(self, s: int) -> int:
+        """The most tokens occupied slot s may still draw: its budget less the prefill's token and one a step since
+        (fewer if an EOS came)."""
+        return max(0, self.limits[self.owner[s]] - 1 - (self.step_count - self.joined[s]))
 
     # -- the device's work -----------------------------------------------------------------------
 
     def _step(self, occupied: list[int]) -> None:
         """One decode step of the occupied slots (ascending; unchanged between the host's checks)."""
         batch = bucket(occupied[-1] + 1, self.runner.buckets)
-        longest = max(self.bound[s] for s in occupied)
+        longest = max(self._bound(s) for s in occupied)
         if self.threads is not None:  # the CPU decode: this step's thread count, and its time for the next ones
             torch.set_num_threads(self.threads.count())
             start = time.perf_counter()
@@ -202,9 +209,6 @@ class _Call:
         self._advance(slice(0, batch), logits)
         if self.threads is not None:
             self.threads.record(len(occupied), time.perf_counter() - start)
-        for s in occupied:
-            self.bound[s] = min(self.bound[s] + 1, self.runner.cache.length)
-            self.left[s] = max(0, self.left[s] - 1)
         self.step_count += 1
         if self.progress is not None:  # tokens of the longest row: the prefill's first one and a step's each
             self.progress(min(self.step_count + 1, self.steps))
