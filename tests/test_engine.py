@@ -1,6 +1,7 @@
 """The embedded engine: sampling, stopping, and log-probs that match the trainer's."""
 
 import importlib.util
+import json
 import math
 import os
 import subprocess
@@ -426,45 +427,78 @@ def test_the_gpus_rope_and_attend_kernel_is_rope_and_cache_then_decode_attention
     torch.testing.assert_close(values, want_values, rtol=0, atol=0)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_the_decode_attention_kernels_compile_for_an_h100(dtype):
-    """Triton's interpreter runs what the GPU's compiler refuses (a loop variable whose type changes): here both
-    decode attention kernels are compiled for an H100 (sm_90) without one, at the engine's shapes, in a process
-    without the interpreter (the tests' conftest turns it on)."""
-    script = f"""
-import sys
+COMPILE_FOR_AN_H100 = """
+import json, sys
+import importlib
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from miles.rollout.local import decode_attention as da
 
-ptr, types = "*{dtype}", {{"positions": "*i64", "scale": "fp32", "group": "i32"}}
-kernels = {{
-    da._decode_attention: ["q", "keys", "values", "positions", "out", "s_qb", "s_qh", "s_ks", "s_kh", "s_kl", "s_ob",
-                           "s_oh", "scale", "group"],
-    da._rope_and_attend: ["qkv", "cos", "sin", "positions", "keys", "values", "out", "s_row", "s_pos", "s_ks", "s_kh",
-                          "s_kl", "s_ob", "s_oh", "scale", "group"],
-}}
-for kernel, names in kernels.items():
-    constants = dict(D=64, G=16, KEYS=64, IEEE={dtype == "fp32"})
-    if kernel is da._rope_and_attend:
-        constants.update(HEADS=14, KV_HEADS=2)
-    signature = {{n: types.get(n, "i64" if n.startswith("s_") else ptr) for n in names}}
-    signature.update({{name: "constexpr" for name in constants}})
+for module, name, signature, constants in json.loads(sys.argv[1]):
+    kernel = getattr(importlib.import_module(module), name)
+    signature.update({c: "constexpr" for c in constants})
     try:
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
                                   target=GPUTarget("cuda", 90, 32))
     except RuntimeError as e:  # no CUDA toolchain in this Triton
         print("no toolchain:", e)
         sys.exit(3)
-    assert compiled.asm["cubin"]
+    assert compiled.asm["cubin"], name
 """
+
+
+def compile_for_an_h100(kernels: list[tuple[str, str, dict, dict]]) -> None:
+    """Compiles each (module, kernel, {argument: Triton type}, {constexpr: value}) for an H100 (sm_90) without one, in a
+    process without Triton's interpreter (the tests' conftest turns it on, and it runs what the GPU's compiler refuses:
+    a loop variable whose type changes); skips where this Triton has no CUDA toolchain."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_AN_H100, json.dumps(kernels)], env=env,
+                          capture_output=True, text=True)
     if done.returncode == 3:
         pytest.skip(done.stdout)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_decode_attention_kernels_compile_for_an_h100(dtype):
+    """Both decode attention kernels, at the engine's shapes."""
+    ptr, types = f"*{dtype}", {"positions": "*i64", "scale": "fp32", "group": "i32"}
+    names = {
+        "_decode_attention": ["q", "keys", "values", "positions", "out", "s_qb", "s_qh", "s_ks", "s_kh", "s_kl", "s_ob",
+                              "s_oh", "scale", "group"],
+        "_rope_and_attend": ["qkv", "cos", "sin", "positions", "keys", "values", "out", "s_row", "s_pos", "s_ks",
+                             "s_kh", "s_kl", "s_ob", "s_oh", "scale", "group"],
+    }
+    kernels = []
+    for name, args in names.items():
+        constants = dict(D=64, G=16, KEYS=64, IEEE=dtype == "fp32")
+        if name == "_rope_and_attend":
+            constants.update(HEADS=14, KV_HEADS=2)
+        signature = {n: types.get(n, "i64" if n.startswith("s_") else ptr) for n in args}
+        kernels.append(("miles.rollout.local.decode_attention", name, signature, constants))
+    compile_for_an_h100(kernels)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_the_device_draws_kernels_compile_for_an_h100():
+    """The device draw's three kernels over bf16 logits and the trainer's log-probs over fp32 ones, dividing by the
+    temperature and not (temperature 1), at a 151,936-token vocabulary's block count."""
+    types = {"V": "i32", "temperature": "fp32", "units": "fp32", "unit": "fp32", "blocks": "i32", "s_row": "i64",
+             "logits": "*bf16", "maxes": "*fp32", "masses": "*i64", "uniforms": "*fp64", "tokens": "*i64",
+             "log_probs": "*fp32", "x": "*fp32", "targets": "*i64", "log_z": "*fp32"}
+    names = {
+        "block_max": (["logits", "s_row", "maxes", "V", "temperature"], {"CHUNK": 4096}),
+        "block_mass": (["logits", "s_row", "maxes", "masses", "V", "temperature", "units"],
+                       {"CHUNK": 4096, "BLOCKS": 64}),
+        "draw": (["logits", "s_row", "maxes", "masses", "uniforms", "tokens", "log_probs", "V", "temperature", "units",
+                  "unit", "blocks"], {"CHUNK": 4096, "BLOCKS": 64}),
+        "token_log_probs": (["x", "s_row", "targets", "log_probs", "log_z", "V", "temperature", "units", "unit"],
+                            {"CHUNK": 4096}),
+    }
+    compile_for_an_h100([("miles.utils.invariant_kernels", name, {n: types[n] for n in args},
+                          {**constants, "DIVIDE": divide})
+                         for name, (args, constants) in names.items() for divide in (True, False)])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
