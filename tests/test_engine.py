@@ -481,6 +481,30 @@ def test_the_decode_attention_kernels_compile_for_an_h100(dtype):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_the_fused_decode_kernels_compile_for_an_h100():
+    """decode_fused's norm (with and without the residual add, fast and EXACT sum), RoPE-and-cache (a decode step's
+    rows, and a prefill's packed ones with its keys and values repeated for attention without GQA) and
+    SiLU-and-multiply, bf16 at the engine's shapes."""
+    norm = ["x", "residual", "weight", "out", "N", "s_x", "s_r", "s_o", "eps"]
+    rope = ["qkv", "cos", "sin", "positions", "slots", "q", "keys", "values", "k_out", "v_out", "s_row", "s_pos",
+            "s_ks", "s_kh", "s_kl", "s_qn", "s_qh", "s_on"]
+    types = {"N": "i32", "F": "i32", "eps": "fp32", "positions": "*i64", "slots": "*i64", "cos": "*fp32",
+             "sin": "*fp32", "q": "*fp32", "k_out": "*fp32"}
+
+    def signature(args):
+        return {n: types.get(n, "i64" if n.startswith("s_") else "*bf16") for n in args}
+
+    module = "miles.rollout.local.decode_fused"
+    kernels = [(module, "_rms_norm", signature(norm), dict(ADD=add, BLOCK=1024, EXACT_SUM=exact))
+               for add in (True, False) for exact in (True, False)]
+    kernels += [(module, "_rope_and_cache", signature(rope), dict(HEADS=14, KV_HEADS=2, QB=16, KB=2, D=64, SLOTS=packed,
+                                                                  REPEAT=7 if packed else 0))
+                for packed in (True, False)]
+    kernels.append((module, "_silu_and_mul", signature(["x", "out", "F", "s_x", "s_o"]), dict(BLOCK=1024)))
+    compile_for_an_h100(kernels)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 def test_the_device_draws_kernels_compile_for_an_h100():
     """The device draw's three kernels over bf16 logits and the trainer's log-probs over fp32 ones, dividing by the
     temperature and not (temperature 1), at a 151,936-token vocabulary's block count."""

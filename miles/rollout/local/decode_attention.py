@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from miles.rollout.local.decode_fused import rope
 from miles.utils.invariant_kernels import softmax_block
 
 KEYS = 64  # cached columns a block
@@ -95,6 +96,14 @@ def _cached_columns(query, keys, values, s_kl, count, scale, G: tl.constexpr, D:
 
 
 @triton.jit
+def _store_heads(out, slot, head, group, r, rows, d, s_ob, s_oh, acc, total):
+    """A program's output: its KV head's query heads (rows r of the tile, masked by `rows`), the online softmax's
+    sum-weighted values divided by its sum, into (b, Q, D) `out`."""
+    tl.store(out + slot * s_ob + (head * group + r)[:, None] * s_oh + d[None, :],
+             (acc / total[:, None]).to(out.dtype.element_ty), mask=rows[:, None])
+
+
+@triton.jit
 def _decode_attention(q, keys, values, positions, out, s_qb, s_qh, s_ks, s_kh, s_kl, s_ob, s_oh, scale, group,
                       D: tl.constexpr, G: tl.constexpr, KEYS: tl.constexpr, IEEE: tl.constexpr):
     slot, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -105,8 +114,7 @@ def _decode_attention(q, keys, values, positions, out, s_qb, s_qh, s_ks, s_kh, s
     last = tl.load(positions + slot)  # the slot sees columns 0..last
     base = slot * s_ks + head * s_kh
     m, total, acc = _cached_columns(query, keys + base, values + base, s_kl, last + 1, scale, G, D, KEYS, IEEE)
-    tl.store(out + slot * s_ob + (head * group + r)[:, None] * s_oh + d[None, :],
-             (acc / total[:, None]).to(out.dtype.element_ty), mask=rows[:, None])
+    _store_heads(out, slot, head, group, r, rows, d, s_ob, s_oh, acc, total)
 
 
 @triton.jit
@@ -118,29 +126,21 @@ def _rope_and_attend(qkv, cos, sin, positions, keys, values, out, s_row, s_pos, 
     d = tl.arange(0, D)
     rows = r < group
     last = tl.load(positions + slot)  # the new column: earlier ones come from the cache
-    # RoPE as x * cos + rotate_half(x) * sin, rotate_half(x)[d] = -x[d + D/2] in the first half, x[d - D/2] after
-    half = (d + D // 2) % D
-    sign = tl.where(d < D // 2, -1.0, 1.0)
     c = tl.load(cos + last * s_pos + d).to(tl.float32)
     s = tl.load(sin + last * s_pos + d).to(tl.float32)
     row = qkv + slot * s_row
-    at = (head * group + r)[:, None] * D
-    q = tl.load(row + at + d[None, :], mask=rows[:, None], other=0.0).to(tl.float32)
-    q_half = tl.load(row + at + half[None, :], mask=rows[:, None], other=0.0).to(tl.float32)
-    query = (q * c[None, :] + sign[None, :] * q_half * s[None, :]).to(keys.dtype.element_ty)
-    k_new = tl.load(row + (HEADS + head) * D + d).to(tl.float32)
-    k_half = tl.load(row + (HEADS + head) * D + half).to(tl.float32)
-    key = (k_new * c + sign * k_half * s).to(keys.dtype.element_ty)
-    value = tl.load(row + (HEADS + KV_HEADS + head) * D + d).to(values.dtype.element_ty)
+    query = rope(row, head * group + r, rows, c, s, D).to(keys.dtype.element_ty)
+    own_head = head + tl.arange(0, 1)  # the KV head as a tile of one row: key and value (1, D)
+    key = rope(row + HEADS * D, own_head, own_head < KV_HEADS, c, s, D).to(keys.dtype.element_ty)
+    value = tl.load(row + (HEADS + KV_HEADS + own_head)[:, None] * D + d[None, :]).to(values.dtype.element_ty)
     base = slot * s_ks + head * s_kh
-    tl.store(keys + base + last * s_kl + d, key)
-    tl.store(values + base + last * s_kl + d, value)
+    tl.store(keys + base + last * s_kl + d[None, :], key)
+    tl.store(values + base + last * s_kl + d[None, :], value)
     m, total, acc = _cached_columns(query, keys + base, values + base, s_kl, last, scale, G, D, KEYS, IEEE)
-    own = tl.sum(query.to(tl.float32) * key.to(tl.float32)[None, :], axis=1) * scale  # the new column
+    own = tl.sum(query.to(tl.float32) * key.to(tl.float32), axis=1) * scale  # the new column
     m_new = tl.maximum(m, own)
     alpha = tl.exp(m - m_new)
     p = tl.exp(own - m_new)
     total = total * alpha + p
-    acc = acc * alpha[:, None] + p[:, None] * value.to(tl.float32)[None, :]
-    tl.store(out + slot * s_ob + (head * group + r)[:, None] * s_oh + d[None, :],
-             (acc / total[:, None]).to(out.dtype.element_ty), mask=rows[:, None])
+    acc = acc * alpha[:, None] + p[:, None] * value.to(tl.float32)
+    _store_heads(out, slot, head, group, r, rows, d, s_ob, s_oh, acc, total)

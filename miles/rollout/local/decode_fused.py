@@ -39,8 +39,8 @@ EXACT = dict(enable_fp_fusion=False)
 
 
 def supported(head_dim: int, hidden: int, exact: bool = False) -> bool:
-    """Whether the kernels take this shape: `rope_and_cache` a head dim that is a power of two of 4 or more (half of
-    it is a tile's width); with `exact` (--true-on-policy-mode), `rms_norm` only a width the trainer's invariant row
+    """Whether the kernels take this shape: `rope_and_cache` a head dim that is a power of two of 4 or more (a tile's
+    width); with `exact` (--true-on-policy-mode), `rms_norm` only a width the trainer's invariant row
     mean sums exactly too (invariant.ROW_MEAN_MAX): above it the trainer takes torch's sum, which no kernel repeats."""
     return head_dim >= 4 and head_dim & (head_dim - 1) == 0 and not (exact and hidden > invariant.ROW_MEAN_MAX)
 
@@ -83,7 +83,7 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
     _rope_and_cache[(n,)](qkv, cos, sin, positions, slots if slots is not None else positions, q, keys, values,
                           k_out, v_out, qkv.stride(0), cos.stride(0), keys.stride(0), keys.stride(1), keys.stride(2),
                           q.stride(0), q.stride(1), k_out.stride(0), HEADS=heads, KV_HEADS=kv_heads,
-                          QB=triton.next_power_of_2(heads), KB=triton.next_power_of_2(kv_heads), HALF=d // 2,
+                          QB=triton.next_power_of_2(heads), KB=triton.next_power_of_2(kv_heads), D=d,
                           SLOTS=slots is not None, REPEAT=repeat or 0, **(EXACT if exact else {}))
     return q if repeat is None else (q, k_out, v_out)
 
@@ -121,52 +121,49 @@ def _rms_norm(x, residual, weight, out, N, s_x, s_r, s_o, eps, ADD: tl.constexpr
 
 
 @triton.jit
-def _rotate(base, heads, d, HALF: tl.constexpr, rows, c1, c2, s1, s2):
-    """The heads `heads` (masked by `rows`) at `base` rotated: (first half, second half), fp32."""
-    x1 = tl.load(base + heads[:, None] * (2 * HALF) + d[None, :], mask=rows[:, None], other=0.0).to(tl.float32)
-    x2 = tl.load(base + heads[:, None] * (2 * HALF) + HALF + d[None, :], mask=rows[:, None], other=0.0).to(tl.float32)
-    return x1 * c1[None, :] - x2 * s1[None, :], x2 * c2[None, :] + x1 * s2[None, :]
+def rope(at, heads, rows, c, s, D: tl.constexpr):
+    """RoPE of heads `heads` (masked by `rows`) of one token, each D wide at at + head * D, at one position (c, s:
+    its cos and sin, (D,) fp32): x * cos + rotate_half(x) * sin, (len(heads), D) fp32. rotate_half(x)[d] is
+    -x[d + D/2] in the first half and x[d - D/2] in the second: sign * x at the column half a width away, so each
+    product is rounded before the add as torch's ops round them (under EXACT). Shared by `_rope_and_cache` and the
+    decode attention's `_rope_and_attend`: the prefill and a decode step rotate a key alike."""
+    d = tl.arange(0, D)
+    half = (d + D // 2) % D
+    sign = tl.where(d < D // 2, -1.0, 1.0)
+    x = tl.load(at + heads[:, None] * D + d[None, :], mask=rows[:, None], other=0.0).to(tl.float32)
+    x_half = tl.load(at + heads[:, None] * D + half[None, :], mask=rows[:, None], other=0.0).to(tl.float32)
+    return x * c[None, :] + sign[None, :] * x_half * s[None, :]
 
 
 @triton.jit
 def _rope_and_cache(qkv, cos, sin, positions, slots, q, keys, values, k_out, v_out, s_row, s_pos, s_ks, s_kh, s_kl,
                     s_qn, s_qh, s_on, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, QB: tl.constexpr,
-                    KB: tl.constexpr, HALF: tl.constexpr, SLOTS: tl.constexpr, REPEAT: tl.constexpr):
+                    KB: tl.constexpr, D: tl.constexpr, SLOTS: tl.constexpr, REPEAT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + row)
     if SLOTS:
         slot = tl.load(slots + row).to(tl.int64)
     else:
         slot = row
-    d = tl.arange(0, HALF)
-    c1 = tl.load(cos + pos * s_pos + d).to(tl.float32)
-    c2 = tl.load(cos + pos * s_pos + HALF + d).to(tl.float32)
-    s1 = tl.load(sin + pos * s_pos + d).to(tl.float32)
-    s2 = tl.load(sin + pos * s_pos + HALF + d).to(tl.float32)
+    d = tl.arange(0, D)
+    c = tl.load(cos + pos * s_pos + d).to(tl.float32)
+    s = tl.load(sin + pos * s_pos + d).to(tl.float32)
     base = qkv + row * s_row
     h = tl.arange(0, QB)
     rows = h < HEADS
-    first, second = _rotate(base, h, d, HALF, rows, c1, c2, s1, s2)
-    at = q + row * s_qn + h[:, None] * s_qh + d[None, :]
-    tl.store(at, first.to(q.dtype.element_ty), mask=rows[:, None])
-    tl.store(at + HALF, second.to(q.dtype.element_ty), mask=rows[:, None])
+    tl.store(q + row * s_qn + h[:, None] * s_qh + d[None, :], rope(base, h, rows, c, s, D).to(q.dtype.element_ty),
+             mask=rows[:, None])
     kh = tl.arange(0, KB)
     kv_rows = kh < KV_HEADS
-    first, second = _rotate(base + HEADS * 2 * HALF, kh, d, HALF, kv_rows, c1, c2, s1, s2)
+    key = rope(base + HEADS * D, kh, kv_rows, c, s, D)
+    value = tl.load(base + (HEADS + KV_HEADS) * D + kh[:, None] * D + d[None, :], mask=kv_rows[:, None], other=0.0)
     at = slot * s_ks + kh[:, None] * s_kh + pos * s_kl + d[None, :]  # the row's slot, its position
-    tl.store(keys + at, first.to(keys.dtype.element_ty), mask=kv_rows[:, None])
-    tl.store(keys + at + HALF, second.to(keys.dtype.element_ty), mask=kv_rows[:, None])
-    out = row * s_on + kh[:, None] * (REPEAT * 2 * HALF) + d[None, :]  # head kh's first copy in k_out / v_out
+    tl.store(keys + at, key.to(keys.dtype.element_ty), mask=kv_rows[:, None])
+    tl.store(values + at, value.to(values.dtype.element_ty), mask=kv_rows[:, None])
+    out = row * s_on + kh[:, None] * (REPEAT * D) + d[None, :]  # head kh's first copy in k_out / v_out
     for r in tl.static_range(REPEAT):
-        tl.store(k_out + out + r * 2 * HALF, first.to(k_out.dtype.element_ty), mask=kv_rows[:, None])
-        tl.store(k_out + out + r * 2 * HALF + HALF, second.to(k_out.dtype.element_ty), mask=kv_rows[:, None])
-    v = base + (HEADS + KV_HEADS) * 2 * HALF + kh[:, None] * (2 * HALF) + d[None, :]
-    for half in tl.static_range(2):
-        part = tl.load(v + half * HALF, mask=kv_rows[:, None], other=0.0)
-        tl.store(values + at + half * HALF, part.to(values.dtype.element_ty), mask=kv_rows[:, None])
-        for r in tl.static_range(REPEAT):
-            tl.store(v_out + out + r * 2 * HALF + half * HALF, part.to(v_out.dtype.element_ty),
-                     mask=kv_rows[:, None])
+        tl.store(k_out + out + r * D, key.to(k_out.dtype.element_ty), mask=kv_rows[:, None])
+        tl.store(v_out + out + r * D, value.to(v_out.dtype.element_ty), mask=kv_rows[:, None])
 
 
 @triton.jit

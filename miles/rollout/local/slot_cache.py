@@ -7,6 +7,7 @@ batching.py does; the continuous batchers (batching.py, `miles serve`'s serve/ba
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -24,12 +25,13 @@ def bucket(n: int, sizes: list[int]) -> int:
     return next(s for s in sizes if s >= n)
 
 
-def upload(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
-    """Lists of ints as int64 tensors on `device`, made on the host and copied in one transfer. On a GPU the copy is
-    from pinned memory, queued behind the GPU's work: a copy from pageable memory (`torch.tensor(..., device=...)`)
-    waits for the stream's queued work first, so the host would build the next prefill forward only after the GPU
-    finished the last (3.5-4.4 ms of idle GPU between batch 512's prefill forwards on an H100: BENCHMARKS.md)."""
-    host = torch.tensor([v for values in lists for v in values], dtype=torch.long)
+def upload(lists: list[list[int] | np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Lists of ints (or integer arrays) as int64 tensors on `device`, made on the host and copied in one transfer.
+    On a GPU the copy is from pinned memory, queued behind the GPU's work: a copy from pageable memory
+    (`torch.tensor(..., device=...)`) waits for the stream's queued work first, so the host would build the next
+    prefill forward only after the GPU finished the last (3.5-4.4 ms of idle GPU between batch 512's prefill forwards
+    on an H100: BENCHMARKS.md)."""
+    host = torch.from_numpy(np.concatenate([np.asarray(values, np.int64) for values in lists]))
     if device.type == "cuda":
         host = host.pin_memory()
     return list(host.to(device, non_blocking=True).split([len(values) for values in lists]))
