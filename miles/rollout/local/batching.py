@@ -124,8 +124,11 @@ class _Call:
             # Steps until the next check, but none past the last token any row may still draw: a row at its budget
             # is done on the device, and the check frees it (none twice in a row: never wait on a row that is not).
             queued = min(self.b.check_every, max(self._left(s) for s in occupied)) or (0 if queued else 1)
-            for _ in range(queued):
-                self._step(occupied)
+            # The longest row's cached length after each of them (one column a step; the host does no per-slot work
+            # between checks, and after one the GPU, its queue drained, waits only for this and the first launch).
+            longest = max(self._bound(s) for s in occupied)
+            for i in range(queued):
+                self._step(occupied, min(longest + i, self.runner.cache.length))
 
     # -- the host's checks -------------------------------------------------------------------------
 
@@ -148,10 +151,10 @@ class _Call:
 
     def _admit(self) -> None:
         """Prefills waiting requests into free slots, lowest slots first, and draws their first token."""
-        free = [s for s, r in enumerate(self.owner) if r is None]
+        free, budget = [s for s, r in enumerate(self.owner) if r is None], self.b.prefill_tokens
         while free and self.waiting:
             slots, reqs, tokens = [], [], 0
-            while free and self.waiting and (not reqs or tokens + len(self.prompts[self.waiting[0]]) <= self.b.prefill_tokens):
+            while free and self.waiting and (not reqs or tokens + len(self.prompts[self.waiting[0]]) <= budget):
                 r = self.waiting.popleft()
                 slots.append(free.pop(0))
                 reqs.append(r)
@@ -198,10 +201,10 @@ class _Call:
 
     # -- the device's work -----------------------------------------------------------------------
 
-    def _step(self, occupied: list[int]) -> None:
-        """One decode step of the occupied slots (ascending; unchanged between the host's checks)."""
+    def _step(self, occupied: list[int], longest: int) -> None:
+        """One decode step of the occupied slots (ascending; unchanged between the host's checks), whose cached lengths
+        are at most `longest` after it."""
         batch = bucket(occupied[-1] + 1, self.runner.buckets)
-        longest = max(self._bound(s) for s in occupied)
         if self.threads is not None:  # the CPU decode: this step's thread count, and its time for the next ones
             torch.set_num_threads(self.threads.count())
             start = time.perf_counter()
