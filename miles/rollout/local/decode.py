@@ -83,7 +83,8 @@ class Decoder:
         prefill = [layer.view(len(prompts), width, -1) for layer in calls[0]]  # per layer (B, P, k)
         for i, (p, out) in enumerate(zip(prompts, outputs)):
             fed = [torch.stack([layer[i, width - len(p):] for layer in prefill], dim=1)]  # (len(p), layers, k)
-            fed += [torch.stack([layer[i] for layer in calls[t + 1]], dim=0)[None] for t in range(len(out.token_ids) - 1)]
+            fed += [torch.stack([layer[i] for layer in calls[t + 1]], dim=0)[None]
+                    for t in range(len(out.token_ids) - 1)]
             out.routed_experts = torch.cat(fed).to(torch.int16).cpu().numpy()
         return outputs
 
@@ -127,8 +128,8 @@ class Decoder:
                 break
             col = width + t  # the cache position of token t
             mask[:, col] = (~done).long()
-            logits = self._forward(tok[:, None], mask, col + 1, next_pos, torch.arange(col, col + 1, device=self.device),
-                                   cache)
+            column = torch.arange(col, col + 1, device=self.device)
+            logits = self._forward(tok[:, None], mask, col + 1, next_pos, column, cache)
             next_pos = next_pos + 1
         return self._collect(tokens[:, :made], log_probs[:, :made], stop_step, limit, weight_version)
 

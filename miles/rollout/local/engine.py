@@ -4,8 +4,9 @@ The engine owns its own copy of the weights, as a real inference engine does; th
 reaches it only through `update_weights` (a `WeightTransport` calls it). Two decode paths:
 `fast` (the default: continuous batching over a slot KV cache, packed prefill, CUDA graphs on a
 GPU; batching.py and runner.py) for the decoder families the runner knows, and `hf` (the HF
-model's forward through its own KV cache, decode.py), the reference, used for other models; `--true-on-policy-mode` passes a `verifier` (true_on_policy.py) that checks each
-rollout against the trainer's own computation. Only this engine takes one: the mode needs the
+model's forward through its own KV cache, decode.py), the reference, used for other models;
+`--true-on-policy-mode` passes a `verifier` (true_on_policy.py) that checks each rollout against the
+trainer's own computation. Only this engine takes one: the mode needs the
 trainer's kernels in the engine's process.
 
 The fast path's KV cache is sized to the call (slots for every request, as many as fit in
