@@ -108,7 +108,7 @@ class _Call:
         self.waiting = deque(range(n))
         self.owner: list[int | None] = [None] * slots  # host view: the request in each slot
         self.joined = [0] * slots  # host view: the step count when each occupied slot's row was prefilled (its
-        # age, the steps since, bounds its cached length and the tokens it may still draw: `_bound`, `_left`)
+        # age, the steps since, bounds its cached length and the tokens it may still draw: `_reach`)
         self.limits = limits
         self.step_count = 0
 
@@ -123,11 +123,9 @@ class _Call:
             occupied = self._compact(occupied)
             # Steps until the next check, but none past the last token any row may still draw: a row at its budget
             # is done on the device, and the check frees it (none twice in a row: never wait on a row that is not).
-            queued = min(self.b.check_every, max(self._left(s) for s in occupied)) or (0 if queued else 1)
-            # The longest row's cached length after each of them (one column a step; the host does no per-slot work
-            # between checks, and after one the GPU, its queue drained, waits only for this and the first launch).
-            longest = max(self._bound(s) for s in occupied)
-            for i in range(queued):
+            longest, left = self._reach(occupied)
+            queued = min(self.b.check_every, left) or (0 if queued else 1)
+            for i in range(queued):  # the longest row's cached length grows a column a step
                 self._step(occupied, min(longest + i, self.runner.cache.length))
 
     # -- the host's checks -------------------------------------------------------------------------
@@ -190,14 +188,15 @@ class _Call:
             self.owner[d], self.joined[d], self.owner[s] = self.owner[s], self.joined[s], None
         return [s for s, r in enumerate(self.owner) if r is not None]
 
-    def _bound(self, s: int) -> int:
-        """An upper bound of occupied slot s's cached length: its prompt, the prefill's token and one a step since."""
-        return min(len(self.prompts[self.owner[s]]) + 1 + self.step_count - self.joined[s], self.runner.cache.length)
-
-    def _left(self, s: int) -> int:
-        """The most tokens occupied slot s may still draw: its budget less the prefill's token and one a step since
-        (fewer if an EOS came)."""
-        return max(0, self.limits[self.owner[s]] - 1 - (self.step_count - self.joined[s]))
+    def _reach(self, occupied: list[int]) -> tuple[int, int]:
+        """Over the occupied slots, the most cached columns after the next step (an upper bound: a row's prompt, the
+        prefill's token and one a step since it joined) and the most tokens a row may still draw (its budget less
+        those; fewer if an EOS came). One pass over the slots a check, none a step: after a check the GPU, its queue
+        drained, waits for this and the next step's launch (0.47-0.57 ms a check at batch 512 on an H100 before)."""
+        prompts, limits, owner, joined = self.prompts, self.limits, self.owner, self.joined
+        reach = max(len(prompts[owner[s]]) + 1 - joined[s] for s in occupied)
+        end = max(limits[owner[s]] - 1 + joined[s] for s in occupied)
+        return min(reach + self.step_count, self.runner.cache.length), max(0, end - self.step_count)
 
     # -- the device's work -----------------------------------------------------------------------
 
