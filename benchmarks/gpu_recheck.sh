@@ -22,6 +22,8 @@
 #                   TOP_LIMIT (s, default 300) change them; TOP_PROFILE=1 profiles the first round's step 3, left out
 #                   of its mean)
 #   profile         the compiled engine's decode at batch 512 under torch's profiler (its top kernels; ~3 min)
+#   h200            the decode stage at batch 128 and 512 (fast-compiled only) where the card is an H200, else
+#                   nothing: issue 13's open figure, for the front of any call that may be given either card (~1 min)
 #   tiles           benchmarks/invariant_tiles.py (~1 min)
 #   ab              benchmarks/ab_decode.sh: the engine's decode, the build before a change (this tree with .ab/'s files
 #                   over it; carry .ab) against this tree, alternated (AB_ROUNDS x 2 engine_decode.py runs, ~45 s each
@@ -61,6 +63,12 @@ for s in "${stages[@]}"; do
                       ${TOP_PROFILE:+--profile "$out/profiles"} ;;
     profile) stage profile 240 python3 benchmarks/engine_decode.py --batch 512 --repeats 1 --rows fast-compiled \
                --profile 512 --profile-compiled ;;
+    h200) if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+            stage h200 "${DECODE_LIMIT:-400}" python3 benchmarks/engine_decode.py --batch 128 512 --repeats 3 \
+              --rows fast-compiled
+          else
+            echo "== h200: skipped, the card is $(nvidia-smi --query-gpu=name --format=csv,noheader)"
+          fi ;;
     tiles) stage tiles 90 python3 benchmarks/invariant_tiles.py --repeats 5 --calls 20 ;;
     attention) stage attention 90 python3 benchmarks/decode_attention.py --batch 32 128 512 \
                  --launch ${ATTENTION_LAUNCH:-128:4:- 64:8:- 64:4:2 64:4:4 32:4:-} ;;
