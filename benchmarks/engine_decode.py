@@ -205,20 +205,32 @@ def profile(model, config, args, sampling) -> None:
 
 def idle_gaps(prof) -> str:
     """Where the GPU waited in a profiled call: the gaps between its kernels (us), summed by size, and the largest
-    with their offset from the first kernel: a gap every few steps is the host's check, a long one its work."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA")
+    with their offset from the first kernel: a gap every few steps is the host's check, a long one its work. For the
+    three largest, the host's recorded ops (aten ops, CUDA runtime calls) that overlap them most: none recorded means
+    Python between ops."""
+    events = prof.events()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type.name == "CUDA")
     if not spans:
         return "no GPU kernels recorded"
     gaps, end = [], spans[0][1]
     for start, stop in spans[1:]:
         if start > end:
-            gaps.append((start - end, end - spans[0][0]))
+            gaps.append((start - end, end, start))
         end = max(end, stop)
-    by_size = {f">{lo} us": sum(g for g, _ in gaps if g > lo) / 1e3 for lo in (5, 50, 500)}
-    largest = ", ".join(f"{g / 1e3:.2f} ms at {at / 1e3:.1f} ms" for g, at in sorted(gaps, reverse=True)[:10])
-    return (f"GPU idle between kernels: {sum(g for g, _ in gaps) / 1e3:.1f} ms of {(end - spans[0][0]) / 1e3:.1f} ms; "
-            f"in gaps {', '.join(f'{k}: {v:.1f} ms' for k, v in by_size.items())}; largest: {largest}")
-
+    first = spans[0][0]
+    by_size = {f">{lo} us": sum(g for g, _, _ in gaps if g > lo) / 1e3 for lo in (5, 50, 500)}
+    largest = sorted(gaps, reverse=True)
+    listed = ", ".join(f"{g / 1e3:.2f} ms at {(at - first) / 1e3:.1f} ms" for g, at, _ in largest[:10])
+    host = [(e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type.name == "CPU"]
+    lines = []
+    for g, at, until in largest[:3]:
+        overlaps = sorted(((min(stop, until) - max(start, at), name) for start, stop, name in host
+                           if start < until and stop > at), reverse=True)[:5]
+        ops = ", ".join(f"{name[:40]} {o / 1e3:.2f} ms" for o, name in overlaps) or "none recorded"
+        lines.append(f"  the {g / 1e3:.2f} ms gap at {(at - first) / 1e3:.1f} ms overlaps host ops: {ops}")
+    idle = sum(g for g, _, _ in gaps)
+    return "\n".join([f"GPU idle between kernels: {idle / 1e3:.1f} ms of {(end - first) / 1e3:.1f} ms; in gaps "
+                      f"{', '.join(f'{k}: {v:.1f} ms' for k, v in by_size.items())}; largest: {listed}", *lines])
 
 if __name__ == "__main__":
     main()
