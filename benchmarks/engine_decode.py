@@ -232,5 +232,6 @@ def idle_gaps(prof) -> str:
     return "\n".join([f"GPU idle between kernels: {idle / 1e3:.1f} ms of {(end - first) / 1e3:.1f} ms; in gaps "
                       f"{', '.join(f'{k}: {v:.1f} ms' for k, v in by_size.items())}; largest: {listed}", *lines])
 
+
 if __name__ == "__main__":
     main()

@@ -47,14 +47,17 @@ stage() {  # NAME LIMIT_S COMMAND...
   echo "== $name rc=${PIPESTATUS[0]}"
 }
 
+decode() {  # NAME BATCHES ROWS: benchmarks/engine_decode.py, three timed runs a row
+  stage "$1" "${DECODE_LIMIT:-400}" python3 benchmarks/engine_decode.py --batch $2 --repeats 3 --rows "$3"
+}
+
 for s in "${stages[@]}"; do
   case $s in
     tests) stage tests "${TESTS_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_invariant.py tests/test_gpu.py \
              tests/test_engine.py -k "invariant or cuda_graph or fast_path or fast_bf16 or bf16_run or true_on or \
              under_the_mode or decode_attention_kernel or rope_and_attend or fused" ;;
     sampler) stage sampler 60 python3 benchmarks/sampler_compiled.py --batch 128 --draws 5 ;;
-    decode) stage decode "${DECODE_LIMIT:-400}" python3 benchmarks/engine_decode.py --batch ${DECODE_BATCH:-128 512} \
-              --repeats 3 --rows "${DECODE_ROWS:-fast-compiled,fast-compiled-unfused,hf-generate}" ;;
+    decode) decode decode "${DECODE_BATCH:-128 512}" "${DECODE_ROWS:-fast-compiled,fast-compiled-unfused,hf-generate}" ;;
     true_on_policy) stage true_on_policy "${TOP_LIMIT:-300}" python3 benchmarks/determinism_parts.py \
                       --qwen-shape /tmp/q \
                       --steps "${TOP_STEPS:-4}" --repeats "${TOP_REPEATS:-1}" \
@@ -63,12 +66,11 @@ for s in "${stages[@]}"; do
                       ${TOP_PROFILE:+--profile "$out/profiles"} ;;
     profile) stage profile 240 python3 benchmarks/engine_decode.py --batch 512 --repeats 1 --rows fast-compiled \
                --profile 512 --profile-compiled ;;
-    h200) if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-            stage h200 "${DECODE_LIMIT:-400}" python3 benchmarks/engine_decode.py --batch 128 512 --repeats 3 \
-              --rows fast-compiled
-          else
-            echo "== h200: skipped, the card is $(nvidia-smi --query-gpu=name --format=csv,noheader)"
-          fi ;;
+    h200) card=$(nvidia-smi --query-gpu=name --format=csv,noheader)
+          case $card in
+            *H200*) decode h200 "128 512" fast-compiled ;;
+            *) echo "== h200: skipped, the card is $card" ;;
+          esac ;;
     tiles) stage tiles 90 python3 benchmarks/invariant_tiles.py --repeats 5 --calls 20 ;;
     attention) stage attention 90 python3 benchmarks/decode_attention.py --batch 32 128 512 \
                  --launch ${ATTENTION_LAUNCH:-128:4:- 64:8:- 64:4:2 64:4:4 32:4:-} ;;
