@@ -3,13 +3,12 @@ on a GPU: one program per slot and KV head reads the slot's cached keys once, up
 the SDPA call the runner makes without it (g query heads of a KV head as g queries, a (b, 1, 1, Lb) mask over
 the width bucket). Prints the largest difference from SDPA and, on a GPU, the time of a call replayed in a CUDA
 graph (no launch time), per batch, and the bytes of cached keys and values it reads a second against the copy
-bandwidth measured in the run. `--launch BLOCK:WARPS:STAGES[:HEADS] ...` times the kernel at other launch settings
-too (columns a block, Triton's num_warps and num_stages, KV heads a program; `-` for the default), each checked
-against SDPA. Then the
+bandwidth measured in the run. `--launch BLOCK:WARPS:STAGES ...` times the kernel at other launch settings too
+(columns a block, Triton's num_warps and num_stages; `-` for Triton's default), each checked against SDPA. Then the
 engine's form of it, `rope_and_attend` (the RoPE and the KV-cache write in the same kernel), against decode_fused's
 `rope_and_cache` followed by the kernel (what a step ran before), at each launch setting.
 
-    python benchmarks/decode_attention.py [--batch 32 128 512] [--prompt 128] [--new 256] [--launch 128:4:3 64:8:-:1]
+    python benchmarks/decode_attention.py [--batch 32 128 512] [--prompt 128] [--new 256] [--launch 128:4:3 64:8:-]
     TRITON_INTERPRET=1 python benchmarks/decode_attention.py --device cpu --batch 4 --prompt 16 --new 16  # check
 
 Shape: Qwen2.5-0.5B's attention (14 query heads, 2 KV heads, head dim 64), bf16 on a GPU (fp32 on the CPU);
@@ -43,11 +42,9 @@ def sdpa_decode(q, keys, values, positions, scale, width):
 
 
 def launch_settings(text: str) -> tuple[int, dict]:
-    """BLOCK:WARPS:STAGES[:HEADS] -> (block, the kernel's launch options: Triton's num_warps and num_stages, the KV
-    heads a program); `-` (or no HEADS) leaves one at its default."""
-    block, warps, stages, heads = (text.split(":") + ["-"])[:4]
-    launch = {k: int(v) for k, v in (("num_warps", warps), ("num_stages", stages), ("kv_per_program", heads))
-              if v != "-"}
+    """BLOCK:WARPS:STAGES -> (block, Triton's launch options); `-` leaves one at its default."""
+    block, warps, stages = text.split(":")
+    launch = {k: int(v) for k, v in (("num_warps", warps), ("num_stages", stages)) if v != "-"}
     return (KEYS if block == "-" else int(block)), launch
 
 
@@ -57,7 +54,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[32, 128, 512])
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--launch", nargs="*", default=[], metavar="BLOCK:WARPS:STAGES[:HEADS]",
+    ap.add_argument("--launch", nargs="*", default=[], metavar="BLOCK:WARPS:STAGES",
                     help="more launch settings of the kernel to time (as it is: -:-:-)")
     args = ap.parse_args()
     settings = [("as it is", (KEYS, {}))] + [(text, launch_settings(text)) for text in args.launch]

@@ -296,23 +296,21 @@ def test_without_graphs_a_decode_step_runs_at_its_live_rows_count(tiny_model):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
-@pytest.mark.parametrize("block,kv_per_program", [(64, None), (32, None), (64, 1)])
-def test_the_gpus_decode_attention_kernel_attends_to_each_slot_up_to_its_position(block, kv_per_program):
+@pytest.mark.parametrize("block", [64, 32])
+def test_the_gpus_decode_attention_kernel_attends_to_each_slot_up_to_its_position(block):
     """The fast engine's decode attention on a GPU (miles.rollout.local.decode_attention; here in Triton's interpreter
     where there is no GPU): each slot's query heads attend to its own cached columns [0, position], as SDPA over
-    that slot alone does; 4 KV heads of 3 query heads each (two KV heads a program, a tile of 16 rows, two
-    programs a slot; and one KV head a program), positions at block edges; at the kernel's block of columns and at
-    the benchmark sweep's other blocks."""
-    from miles.rollout.local.decode_attention import decode_attention, heads_per_program
+    that slot alone does; a group of 3 query heads a KV head (a tile of 16 rows), positions at block edges; at the
+    kernel's block of columns and at the benchmark sweep's other blocks."""
+    from miles.rollout.local.decode_attention import decode_attention
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
-    kv_heads, group, dim, length = 4, 3, 16, 200
-    assert heads_per_program(kv_heads, group) == 2
+    kv_heads, group, dim, length = 2, 3, 16, 200
     keys, values = (torch.randn(7, kv_heads, length, dim, generator=g).to(device) for _ in range(2))  # 7 slots
     q = torch.randn(5, kv_heads * group, dim, generator=g).to(device)  # slots 0..4 decode
     positions = torch.tensor([0, 63, 64, 130, 199], device=device)
-    got = decode_attention(q, keys, values, positions, 0.25, block=block, kv_per_program=kv_per_program)
+    got = decode_attention(q, keys, values, positions, 0.25, block=block)
     for j, p in enumerate(positions.tolist()):
         want = torch.nn.functional.scaled_dot_product_attention(
             q[j].view(kv_heads, group, dim), keys[j, :, :p + 1], values[j, :, :p + 1], scale=0.25)
@@ -402,12 +400,10 @@ def test_a_prefill_in_the_fused_kernels_computes_what_the_layer_functions_do(tin
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
-@pytest.mark.parametrize("kv_per_program", [None, 1])
-def test_the_gpus_rope_and_attend_kernel_is_rope_and_cache_then_decode_attention(kv_per_program):
+def test_the_gpus_rope_and_attend_kernel_is_rope_and_cache_then_decode_attention():
     """A decode step's RoPE, cache write and attention in one kernel (decode_attention.rope_and_attend; here in Triton's
     interpreter where there is no GPU): the cache rope_and_cache writes, bit for bit, and the output of
-    decode_attention over its queries (one KV head a program); positions 0 (only the new column), at block edges and
-    past them; 4 KV heads of 3 query heads, two a program (two programs a slot) and one."""
+    decode_attention over its queries; positions 0 (only the new column), at block edges and past them."""
     from miles.rollout.local import decode_fused
     from miles.rollout.local.decode_attention import decode_attention, rope_and_attend
 
@@ -415,7 +411,7 @@ def test_the_gpus_rope_and_attend_kernel_is_rope_and_cache_then_decode_attention
     close = dict(rtol=1e-4, atol=1e-5) if device == "cpu" else dict(rtol=2e-2, atol=1e-2)  # bf16 on a GPU
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     g = torch.Generator().manual_seed(0)
-    heads, kv_heads, dim, length = 12, 4, 16, 200
+    heads, kv_heads, dim, length = 6, 2, 16, 200
     positions = torch.tensor([0, 31, 32, 130, 199], device=device)
     qkv = torch.randn(5, (heads + 2 * kv_heads) * dim, generator=g).to(device, dtype)
     angles = torch.rand(length, 1, dim // 2, generator=g) * 6
@@ -424,8 +420,8 @@ def test_the_gpus_rope_and_attend_kernel_is_rope_and_cache_then_decode_attention
     keys, values = (torch.randn(7, kv_heads, length, dim, generator=g).to(device, dtype) for _ in range(2))
     want_keys, want_values = keys.clone(), values.clone()
     q = decode_fused.rope_and_cache(qkv, cos, sin, positions, want_keys, want_values, heads)
-    want = decode_attention(q, want_keys, want_values, positions, 0.25, block=32, kv_per_program=1)
-    got = rope_and_attend(qkv, cos, sin, positions, keys, values, heads, 0.25, block=32, kv_per_program=kv_per_program)
+    want = decode_attention(q, want_keys, want_values, positions, 0.25, block=32)
+    got = rope_and_attend(qkv, cos, sin, positions, keys, values, heads, 0.25, block=32)
     torch.testing.assert_close(got, want, **close)
     torch.testing.assert_close(keys, want_keys, rtol=0, atol=0 if device == "cpu" else 2 ** -7)
     torch.testing.assert_close(values, want_values, rtol=0, atol=0)
@@ -466,7 +462,7 @@ def compile_for_an_h100(kernels: list[tuple[str, str, dict, dict]]) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_the_decode_attention_kernels_compile_for_an_h100(dtype):
-    """Both decode attention kernels, at the engine's shapes, one and two KV heads a program."""
+    """Both decode attention kernels, at the engine's shapes."""
     ptr, types = f"*{dtype}", {"positions": "*i64", "scale": "fp32", "group": "i32"}
     names = {
         "_decode_attention": ["q", "keys", "values", "positions", "out", "s_qb", "s_qh", "s_ks", "s_kh", "s_kl", "s_ob",
@@ -476,12 +472,11 @@ def test_the_decode_attention_kernels_compile_for_an_h100(dtype):
     }
     kernels = []
     for name, args in names.items():
-        for hb in (1, 2):  # KV heads a program
-            constants = dict(HB=hb, D=64, G=16, KEYS=64, IEEE=dtype == "fp32")
-            if name == "_rope_and_attend":
-                constants.update(HEADS=14, KV_HEADS=2)
-            signature = {n: types.get(n, "i64" if n.startswith("s_") else ptr) for n in args}
-            kernels.append(("miles.rollout.local.decode_attention", name, signature, constants))
+        constants = dict(D=64, G=16, KEYS=64, IEEE=dtype == "fp32")
+        if name == "_rope_and_attend":
+            constants.update(HEADS=14, KV_HEADS=2)
+        signature = {n: types.get(n, "i64" if n.startswith("s_") else ptr) for n in args}
+        kernels.append(("miles.rollout.local.decode_attention", name, signature, constants))
     compile_for_an_h100(kernels)
 
 
