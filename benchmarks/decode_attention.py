@@ -66,7 +66,8 @@ def main() -> None:
     length = -(-(args.prompt + args.new) // LENGTH_STEP) * LENGTH_STEP
     scale = HEAD_DIM ** -0.5
     for b in args.batch:
-        keys, values = (torch.randn(b, KV_HEADS, length, HEAD_DIM, generator=g).to(args.device, dtype) for _ in range(2))
+        keys, values = (torch.randn(b, KV_HEADS, length, HEAD_DIM, generator=g).to(args.device, dtype)
+                        for _ in range(2))
         q = torch.randn(b, HEADS, HEAD_DIM, generator=g).to(args.device, dtype)
         positions = torch.randint(args.prompt, args.prompt + args.new, (b,), generator=g).to(args.device)
         width = -(-(int(positions.max()) + 1) // LENGTH_STEP) * LENGTH_STEP
@@ -80,7 +81,8 @@ def main() -> None:
             def call(block=block, launch=launch):
                 return decode_attention(q, keys, values, positions, scale, block=block, **launch)
 
-            line = f"batch {b:4}, {name:>9}: largest difference from SDPA {(call().float() - want.float()).abs().max():.2e}"
+            line = (f"batch {b:4}, {name:>9}: largest difference from SDPA "
+                    f"{(call().float() - want.float()).abs().max():.2e}")
             if sdpa is not None:
                 ours = statistics.median(gpu_times(call)) * 1e6
                 rate = read / (ours * 1e-6)  # bytes/s

@@ -116,12 +116,13 @@ def main() -> None:
     model.generation_config.pad_token_id = 0
     weights = sum(t.numel() * t.element_size() for t in model.parameters())
     bandwidth, flops = copy_bandwidth(device), matmul_flops(device, dtype)
-    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * (config.hidden_size //
-                                                                                config.num_attention_heads) * dtype.itemsize
+    kv_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads
+                    * (config.hidden_size // config.num_attention_heads) * dtype.itemsize)
     name = torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     print(f"{args.shape} ({sum(t.numel() for t in model.parameters()) / 1e6:.0f}M params, {dtype}) on {name}; "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, matmul {flops / 1e12:.3g} TFLOP/s; prompts {args.prompt_len}, "
-          f"new tokens {args.new_tokens}, EOS off; {args.repeats} timed runs each (median [min, max] tok/s)", flush=True)
+          f"new tokens {args.new_tokens}, EOS off; {args.repeats} timed runs each (median [min, max] tok/s)",
+          flush=True)
     sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, top_p=1.0)
     engines = {"fast": dict(decoder="fast"), "fast-eager": dict(decoder="fast", cuda_graphs=False),
                "fast-compiled": dict(decoder="fast", compile=True), "miles-hf": dict(decoder="hf")}
@@ -158,7 +159,8 @@ def main() -> None:
                     fn = lambda: int(model.generate(input_ids=ids, attention_mask=mask, **kw)[:, ids.shape[1]:].numel())  # noqa: E731
                 rates = timed(fn, args.repeats, device)
             except Exception as e:  # one row failing must not lose the others
-                print(f"batch {batch:4} | {row:20} | error: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+                print(f"batch {batch:4} | {row:20} | error: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
+                      flush=True)
                 continue
             results[(row, batch)] = rates
             base = results.get(("hf-generate", batch))

@@ -66,7 +66,8 @@ def main() -> None:
     results = {}
     wanted = args.engines.split(",")
     if "local" in wanted:
-        results["local (in process)"] = timed(LocalEngine(model, eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id),
+        results["local (in process)"] = timed(LocalEngine(model, eos_token_ids=eos,
+                                                          pad_token_id=tokenizer.pad_token_id),
                                              prompts, sampling, seeds, args.repeats)
     del model
     for name, backend, server_type in (("serve", "sglang", SGLangServer), ("vllm", "vllm", VLLMServer)):

@@ -341,8 +341,8 @@ def engine(ctx) -> None:
             alt = statistics.median(results[name])
             ratio = f"{statistics.median(mine) / alt:.2f}x" if mine else "-"
             ceiling = "-" if bound is None else ", ".join(
-                f"{who} {100 * statistics.median(r) / bound:.2f}%" for who, r in (("miles", mine), ("alt", results[name]))
-                if r) + f" of {bound:,.0f}"
+                f"{who} {100 * statistics.median(r) / bound:.2f}%"
+                for who, r in (("miles", mine), ("alt", results[name])) if r) + f" of {bound:,.0f}"
             vs_hf = ""
             if name != "HF generate" and "HF generate" in results:
                 vs_hf = f" = {alt / statistics.median(results['HF generate']):.2f}x HF generate"
@@ -581,7 +581,8 @@ def determinism(ctx) -> None:
             start = time.perf_counter()
             try:
                 proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                                      env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
+                                      env={**os.environ,
+                                           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
                 if proc.returncode != 0:
                     lines = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()] or proc.stderr.splitlines()
                     say(f"  {name}: miles train exited {proc.returncode}: {lines[-1] if lines else ''}")
@@ -724,9 +725,11 @@ def main() -> None:
     ap.add_argument("--only", default="ceilings,engine,trainer,grpo,determinism",
                     help=f"comma-separated sections of {', '.join(SECTIONS)}")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of each figure (default: 3)")
-    ap.add_argument("--time-limit", type=float, default=None, help="seconds; repeats stop and sections are skipped after")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="seconds; repeats stop and sections are skipped after")
     ap.add_argument("--batches", default=None, help="engine batch sizes (default: 32,128,512 on cuda, 8,32 on cpu)")
-    ap.add_argument("--new-tokens", type=int, default=None, help="tokens per response (default: 256 on cuda, 64 on cpu)")
+    ap.add_argument("--new-tokens", type=int, default=None,
+                    help="tokens per response (default: 256 on cuda, 64 on cpu)")
     ap.add_argument("--micro-batch", type=int, default=None,
                     help="rows per forward/backward of miles' trainer, the plain loop and TRL's "
                          "per_device_train_batch_size alike (default: 8 on cuda, 4 on cpu)")
@@ -751,7 +754,8 @@ def main() -> None:
     import transformers
 
     say(f"# speed.py on {ctx.device_name}: torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"{torch.get_num_threads()} threads; sizes {ctx.sizes}; repeats {args.repeats}; miles flags: {miles_flags(args)}")
+        f"{torch.get_num_threads()} threads; sizes {ctx.sizes}; repeats {args.repeats}; "
+        f"miles flags: {miles_flags(args)}")
     if sections[0] != "ceilings" and "ceilings" in sections:
         sections.remove("ceilings")
         sections.insert(0, "ceilings")

@@ -252,7 +252,8 @@ def build_configs(args: argparse.Namespace) -> Configs:
                         shuffle=a.rollout_shuffle),
         rollout=RolloutConfig(
             batch_size=a.rollout_batch_size, n_samples_per_prompt=a.n_samples_per_prompt,
-            custom_generate_path=a.custom_generate_function_path, dynamic_filter_path=a.dynamic_sampling_filter_path, over_sampling_batch_size=a.over_sampling_batch_size,
+            custom_generate_path=a.custom_generate_function_path, dynamic_filter_path=a.dynamic_sampling_filter_path,
+            over_sampling_batch_size=a.over_sampling_batch_size,
             dynamic_max_rounds=a.dynamic_sampling_max_rounds,
             sampling=SamplingParams(max_new_tokens=a.rollout_max_response_len, temperature=a.rollout_temperature,
                                     top_p=a.rollout_top_p),

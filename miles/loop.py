@@ -433,7 +433,8 @@ def resume_point(cfg: Configs, config: dict) -> tuple[Path | None, dict | None]:
                          f"{run.num_rollout} leaves nothing to do; --num-rollout counts from step 1")
     if newer := newer_steps(root, step):
         if not run.allow_branch:
-            raise UsageError(f"--load {resume}: the save dir {root} already holds later steps ({', '.join(f'step_{n}' for n in newer)}) "
+            raise UsageError(f"--load {resume}: the save dir {root} already holds later steps "
+                             f"({', '.join(f'step_{n}' for n in newer)}) "
                              f"of this run; resuming from step {step} would mix two lineages. Resume the latest "
                              f"(--load {root}), pass --allow-branch (the later steps are moved aside), or a new --save")
         aside = abandon(root, step)
@@ -480,14 +481,16 @@ def build_engine(path, tokenizer, cfg: Configs, *, weight_version: int, closers:
         from miles.rollout.remote import connect  # httpx and the launcher only for remote runs
 
         return connect(cfg.engines, model_dir=str(path), closers=closers, precision=model_cfg.precision,
-                       seed=cfg.run.seed, max_model_len=_max_model_len(path, cfg), vocab_size=_vocab_size(path, tokenizer),
+                       seed=cfg.run.seed, max_model_len=_max_model_len(path, cfg),
+                       vocab_size=_vocab_size(path, tokenizer),
                        eos_token_ids=eos_token_ids_of_dir(path, tokenizer), weight_version=weight_version,
                        work_dir=Path(cfg.run.output_dir) / "engine_weights", launch=launch, device=model_cfg.device,
                        mem_fraction=cfg.engines.mem_fraction_static)
     load = dict(device=model_cfg.device, attention_backend=model_cfg.attention_backend)
     engines = cfg.engines
     common = dict(pad_token_id=tokenizer.pad_token_id, weight_version=weight_version, decoder=engines.local_decoder,
-                  cuda_graphs=engines.cuda_graphs, compile=engines.torch_compile, mem_fraction=engines.mem_fraction_static)
+                  cuda_graphs=engines.cuda_graphs, compile=engines.torch_compile,
+                  mem_fraction=engines.mem_fraction_static)
     if not cfg.debug.true_on_policy_mode:
         dtype = torch.bfloat16 if model_cfg.precision == "bf16" else torch.float32
         model = load_causal_lm(path, dtype=dtype, **load)

@@ -51,8 +51,10 @@ def data_dir(tmp_path):
 
 @pytest.mark.parametrize("flags, fragments", [
     (["--prompt-data", "nope.jsonl"], ["--prompt-data", "no such file", "nope.jsonl"]),
-    (["--prompt-data", "{d}/bad.jsonl", "--input-key", "question", "--label-key", "answer"], ["line 2", "invalid JSON"]),
-    (["--prompt-data", "{d}/good.jsonl", "--label-key", "answer"], ["--input-key 'prompt'", "keys present: question, answer"]),
+    (["--prompt-data", "{d}/bad.jsonl", "--input-key", "question", "--label-key", "answer"],
+     ["line 2", "invalid JSON"]),
+    (["--prompt-data", "{d}/good.jsonl", "--label-key", "answer"],
+     ["--input-key 'prompt'", "keys present: question, answer"]),
     (["--prompt-data", "{d}/good.jsonl", "--input-key", "question", "--label-key", "anwser"],
      ["--label-key 'anwser'", "any row", "answer"]),
     (["--prompt-data", "{d}/empty.jsonl", "--input-key", "question", "--label-key", "answer"], ["no rows"]),
@@ -115,8 +117,9 @@ def test_chat_template_missing_is_a_usage_error(tiny_model, tmp_path):
     (model / "tokenizer_config.json").write_text(json.dumps(cfg))
     data = tmp_path / "p.jsonl"
     data.write_text('{"prompt": "hi", "label": "1"}\n')
-    r = subprocess.run([sys.executable, "-m", "miles", "train", "--hf-checkpoint", str(model), "--prompt-data", str(data),
-                        "--label-key", "label", "--apply-chat-template", "--output-dir", str(tmp_path / "run")],
+    r = subprocess.run([sys.executable, "-m", "miles", "train", "--hf-checkpoint", str(model),
+                        "--prompt-data", str(data), "--label-key", "label", "--apply-chat-template",
+                        "--output-dir", str(tmp_path / "run")],
                        capture_output=True, text=True)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "chat template" in r.stderr

@@ -173,8 +173,9 @@ def test_two_ranks_with_engine_servers_on_ray(tiny_args, tmp_path):
     run = tmp_path / "run"
     # Temperature 0.5: the random tiny model's samples then pass the response-NLL check (no WARN).
     result = miles(tiny_args + ["--actor-num-gpus-per-node", "2", "--rollout-backend", "sglang",
-                                "--rollout-num-gpus", "1", "--check-weight-update-equal", "--rollout-temperature", "0.5",
-                                "--use-kl-loss", "--kl-loss-coef", "0.1", "--sglang-log-dir", str(tmp_path / "servers")])
+                                "--rollout-num-gpus", "1", "--check-weight-update-equal",
+                                "--rollout-temperature", "0.5", "--use-kl-loss", "--kl-loss-coef", "0.1",
+                                "--sglang-log-dir", str(tmp_path / "servers")])
     assert result.returncode == 0, result.stderr[-3000:]
     text = (run / "train.log").read_text()
     assert "Engines: 1 sglang server(s) on Ray (on their own bundles)" in text

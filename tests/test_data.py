@@ -256,7 +256,8 @@ def test_input_value_bad_type(tmp_path, value, kind):
     assert msg.startswith(f"{p} line 2:") and "--input-key 'prompt'" in msg and kind in msg
 
 
-@pytest.mark.parametrize("bad", [["just", "strings"], [{"role": "user"}], [{"content": "x"}], [{"role": "user", "content": 3}]])
+@pytest.mark.parametrize("bad", [["just", "strings"], [{"role": "user"}], [{"content": "x"}],
+                                 [{"role": "user", "content": 3}]])
 def test_input_value_bad_messages(tmp_path, bad):
     p = tmp_path / "d.jsonl"
     write_jsonl(p, [{"prompt": bad}])

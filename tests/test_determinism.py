@@ -33,7 +33,8 @@ def test_same_flags_same_hashes_every_step(reference_run, tiny_args, capsys):
     assert main(["diff-runs", str(reference_run), str(again)]) == 0
     assert capsys.readouterr().out.strip() == "identical for 2 steps"
     log = (again / "train.log").read_text()
-    assert "--deterministic-mode: seeds python/numpy/torch=42" in log and "torch.use_deterministic_algorithms(True)" in log
+    assert ("--deterministic-mode: seeds python/numpy/torch=42" in log
+            and "torch.use_deterministic_algorithms(True)" in log)
     assert "determinism step=1 prompts=" in log
 
 

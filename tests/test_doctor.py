@@ -259,7 +259,8 @@ def test_an_unknown_error_is_still_pointed_at(capsys, tmp_path):
 def test_json_output_shape(capsys):
     rc, report = findings(capsys, FIX / "oom_colocate", FIX / "clean_run")
     assert rc == 1
-    assert set(report) == {"paths", "findings", "signal_phrases", "runs", "facts", "closest_known", "read", "skipped", "bundle"}
+    assert set(report) == {"paths", "findings", "signal_phrases", "runs", "facts", "closest_known", "read", "skipped",
+                           "bundle"}
     assert report["runs"] == [{"dir": str(FIX / "clean_run"), "state": "finished", "detail": (
         f"finished: {FIX / 'clean_run' / 'train.log'}:33: Done: 3 steps; metrics in runs/clean/metrics.jsonl")}]
     f = report["findings"][0]

@@ -34,7 +34,8 @@ class Engine:
 def rollout(records, *, batch_size=2, over=None, rounds=8, reward=None, seed=0):
     cfg = RolloutConfig(batch_size=batch_size, n_samples_per_prompt=2, rm_type="math", custom_rm_path=None,
                         reward_timeout=60.0, dynamic_filter_path=FILTER, over_sampling_batch_size=over,
-                        dynamic_max_rounds=rounds, sampling=SamplingParams(max_new_tokens=1, temperature=1.0, top_p=1.0))
+                        dynamic_max_rounds=rounds,
+                        sampling=SamplingParams(max_new_tokens=1, temperature=1.0, top_p=1.0))
     # Group signal by label: "flat" prompts reward both responses 1, "mixed" ones 1 and 0 (by index parity).
     reward = reward or (lambda s: 1.0 if s.label == "flat" else float(s.index % 2))
     engine = Engine()

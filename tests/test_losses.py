@@ -91,7 +91,8 @@ def test_reinforce_plus_plus_advantages():
     mask = T([[1.0, 1.0], [1.0, 0.0]])
     adv = reinforce_plus_plus_advantages(T([1.0, 0.0]), None, mask, group_size=1, kl_coef=0.0)
     s = math.sqrt(1 / 3)
-    assert adv.tolist() == [pytest.approx([(1 - 2 / 3) / s] * 2, abs=1e-4), pytest.approx([(-2 / 3) / s, 0.0], abs=1e-4)]
+    assert adv.tolist() == [pytest.approx([(1 - 2 / 3) / s] * 2, abs=1e-4),
+                            pytest.approx([(-2 / 3) / s, 0.0], abs=1e-4)]
 
 
 def test_reinforce_plus_plus_kl_penalty_accumulates_backwards():

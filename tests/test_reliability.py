@@ -383,14 +383,16 @@ def test_a_reward_that_hangs_or_exits_is_named(tiny_args, name, words):
 def test_a_reward_gets_a_copy_of_the_sample(tiny_args, tmp_path):
     dumps = ["--save-debug-rollout-data", str(tmp_path / "d" / "data_{rollout_id}.pt"), "--num-rollout", "1"]
     honest = metrics(run(tiny_args, *dumps, "--output-dir", str(tmp_path / "a")))[0]
-    vandal = metrics(run(with_reward(tiny_args, "vandal"), "--num-rollout", "1", "--output-dir", str(tmp_path / "b")))[0]
+    vandal = metrics(run(with_reward(tiny_args, "vandal"), "--num-rollout", "1",
+                         "--output-dir", str(tmp_path / "b")))[0]
     assert vandal["rollout/reward_mean"] == honest["rollout/reward_mean"]
     assert vandal["train/grad_norm"] == honest["train/grad_norm"]  # trained on the real tokens and mask
 
 
 def test_a_prompt_longer_than_the_model_is_refused_or_dropped(tiny_args, tmp_path):
     data = tmp_path / "long.jsonl"
-    rows = [{"prompt": "What is 1 + 1?", "label": "2"}, {"prompt": "x" * 600, "label": "1"}]  # tiny model: 512 positions
+    # tiny model: 512 positions
+    rows = [{"prompt": "What is 1 + 1?", "label": "2"}, {"prompt": "x" * 600, "label": "1"}]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     argv = list(tiny_args)
     argv[argv.index("--prompt-data") + 1] = str(data)

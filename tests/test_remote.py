@@ -57,7 +57,8 @@ def log_of(out: Path) -> str:
 def test_sglang_backend_on_two_servers_it_starts_matches_the_in_process_run(tiny_args, tmp_path):
     local = run(tiny_args, *DET, "--output-dir", str(tmp_path / "local"))
     remote = run(tiny_args, *DET, "--output-dir", str(tmp_path / "remote"), "--rollout-backend", "sglang",
-                 "--rollout-num-engines", "2", "--check-weight-update-equal", "--sglang-log-dir", str(tmp_path / "logs"))
+                 "--rollout-num-engines", "2", "--check-weight-update-equal",
+                 "--sglang-log-dir", str(tmp_path / "logs"))
     # Same prompts, tokens, rewards, trainer log-probs, loss, gradients and weights, step by step;
     # only the engine's log-probs differ in their last bits (each server batches other rows).
     for a, b in zip(hashes(local), hashes(remote), strict=True):
@@ -246,7 +247,8 @@ def test_a_server_that_is_down_is_named_before_any_model_loads(tiny_args, capsys
 
 @pytest.mark.parametrize("extra, message", [
     (["--sglang-url", "http://127.0.0.1:1"], "--sglang-url is for --rollout-backend sglang"),
-    (["--rollout-backend", "vllm", "--sglang-url", "http://127.0.0.1:1"], "--sglang-url is for --rollout-backend sglang"),
+    (["--rollout-backend", "vllm", "--sglang-url", "http://127.0.0.1:1"],
+     "--sglang-url is for --rollout-backend sglang"),
     (["--rollout-backend", "sglang", "--sglang-url", "127.0.0.1:1"], "is not an http(s)://HOST:PORT URL"),
     (["--rollout-backend", "sglang", "--true-on-policy-mode"], "only --rollout-backend local can"),
     (["--rollout-backend", "vllm", "--vllm-python", "/nonexistent/python"], "--vllm-python /nonexistent/python: not"),

@@ -50,7 +50,8 @@ def test_rollout_only_builds_no_trainer(tiny_args, tmp_path):
 def test_rollout_only_run_logs_and_saves_no_checkpoint(tiny_args, tmp_path):
     out = run(tiny_args, "--debug-rollout-only", *dump_args(tmp_path))
     log = (out / "train.log").read_text()
-    assert "--debug-rollout-only: no trainer or reference model built; weight sync and checkpoint saving are skipped" in log
+    assert ("--debug-rollout-only: no trainer or reference model built; "
+            "weight sync and checkpoint saving are skipped" in log)
     assert "Models in memory: engine " in log and "policy" not in log.split("Models in memory:")[1].splitlines()[0]
     assert "weight_sync" not in log
     assert not (out / "checkpoints").exists()
@@ -167,7 +168,8 @@ def test_replay_rejects_a_sample_count_that_does_not_fit(tiny_args, dumps):
 
 
 def test_train_only_without_dumps_is_a_usage_error(tiny_args):
-    r = subprocess.run([sys.executable, "-m", "miles", *tiny_args, "--debug-train-only"], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "miles", *tiny_args, "--debug-train-only"],
+                       capture_output=True, text=True)
     assert_error(r, "--debug-train-only", "--load-debug-rollout-data")
 
 
@@ -193,7 +195,8 @@ def test_slime_style_dump_replays(tiny_args, dumps, tmp_path):
                       "weight_versions": [], "rollout_log_probs": None, "rollout_routed_experts": None,
                       "remove_sample": False, "status": "completed", "metadata": {}, "train_metadata": None})
     torch.save({"rollout_id": 0, "samples": slime}, tmp_path / "slime_0.pt")
-    r = replay(tiny_args, tmp_path / "slime_{rollout_id}.pt", "--num-rollout", "1", "--output-dir", str(tmp_path / "out"))
+    r = replay(tiny_args, tmp_path / "slime_{rollout_id}.pt", "--num-rollout", "1",
+               "--output-dir", str(tmp_path / "out"))
     assert r.returncode == 0, r.stderr[-2000:]
     row = metrics(tmp_path / "out")[0]
     assert row["train/grad_norm"] > 0
@@ -226,7 +229,8 @@ def test_inspect_rollout(dumps, capsys):
     one = json.loads(capsys.readouterr().out)
     s = dump["samples"][2]
     assert [t["logp"] for t in one["response_tokens"]] == s["rollout_log_probs"]
-    assert "".join(t["text"] for t in one["response_tokens"]).startswith(s["response"][:3])  # decoded with the dump's tokenizer
+    # decoded with the dump's tokenizer
+    assert "".join(t["text"] for t in one["response_tokens"]).startswith(s["response"][:3])
 
     assert main(["inspect-rollout", str(dumps / "data_0.pt"), "--sample", "2"]) == 0
     assert "pos   token      logp" in capsys.readouterr().out

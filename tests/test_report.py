@@ -141,7 +141,8 @@ def test_missing_keys_and_nan_are_notes_not_failures(tmp_path):
     assert img_sources(page) == ["report/reward.png", "report/grad_norm.png", "report/logprob_diff.png"]
     assert "Response length (tokens): skipped, metrics.jsonl has no rollout/response_len_mean" in page
     assert "KL to reference / PPO KL: skipped" in page
-    assert "train/grad_norm is NaN/Inf at step(s) 1, 2" in page and "rollout/reward_mean is NaN/Inf at step(s) 3" in page
+    assert ("train/grad_norm is NaN/Inf at step(s) 1, 2" in page
+            and "rollout/reward_mean is NaN/Inf at step(s) 3" in page)
     assert "forward_logp_max_diff is exactly 0 at 1 step(s)" in page
     assert "no rollout dumps found" in page and "no config.json" in page
 

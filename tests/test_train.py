@@ -118,7 +118,8 @@ def test_resume_with_other_prompt_data_is_a_usage_error(tiny_args, tmp_path):
                         str(tmp_path / "resumed")], capture_output=True, text=True)
     assert r.returncode == 2, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: the checkpoint was trained on other prompt data (16 rows") and "--prompt-data" in last
+    assert (last.startswith("error: the checkpoint was trained on other prompt data (16 rows")
+            and "--prompt-data" in last)
 
 
 @pytest.mark.parametrize("per_token", [False, True])

@@ -187,6 +187,7 @@ def test_a_step_whose_log_probs_are_not_the_trainers_stops_the_run():
 
     check_true_on_policy({"forward_logp_max_diff": 0.0}, 3)
     check_true_on_policy({}, 3)  # no engine log-probs (custom generation): nothing to compare
-    with pytest.raises(CheckFailed, match=r"at step 4 the engine's log-probs differ from the trainer's by up to 9.54e-07"):
+    with pytest.raises(CheckFailed,
+                       match=r"at step 4 the engine's log-probs differ from the trainer's by up to 9.54e-07"):
         check_true_on_policy({"forward_logp_max_diff": 9.54e-07}, 4)
 

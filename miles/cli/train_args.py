@@ -23,34 +23,45 @@ BACKENDS = ("local", "sglang", "vllm")  # miles.rollout.remote.BACKENDS
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and checkpoints")
-    g.add_argument("--hf-checkpoint", metavar="DIR", help="HF causal LM + tokenizer dir (default: the demo model, SmolLM2-135M-Instruct)")
+    g.add_argument("--hf-checkpoint", metavar="DIR",
+                   help="HF causal LM + tokenizer dir (default: the demo model, SmolLM2-135M-Instruct)")
     g.add_argument("--ref-load", metavar="DIR", help="reference model for the KL (default: the initial policy)")
-    g.add_argument("--load", metavar="DIR", help="resume from the latest complete checkpoint under DIR (a run dir, its checkpoints/, or one step_N)")
+    g.add_argument("--load", metavar="DIR",
+                   help="resume from the latest complete checkpoint under DIR "
+                        "(a run dir, its checkpoints/, or one step_N)")
     g.add_argument("--save", metavar="DIR", help="where checkpoints go (default: OUTPUT_DIR/checkpoints)")
-    g.add_argument("--save-interval", type=int, metavar="N", help="save every N rollout steps (the last step is always saved)")
-    g.add_argument("--keep-checkpoints", type=int, metavar="N", help="keep only the newest N checkpoints (default: all)")
+    g.add_argument("--save-interval", type=int, metavar="N",
+                   help="save every N rollout steps (the last step is always saved)")
+    g.add_argument("--keep-checkpoints", type=int, metavar="N",
+                   help="keep only the newest N checkpoints (default: all)")
     g.add_argument("--allow-branch", action="store_true",
                    help="--load an older step of a save dir holding newer ones: the newer ones are moved aside")
     g.add_argument("--output-dir", metavar="DIR", help="run directory (default: runs/<timestamp>)")
 
     g = p.add_argument_group("data")
-    g.add_argument("--prompt-data", metavar="PATH", help=".jsonl or .parquet prompts (default: the bundled arithmetic task)")
-    g.add_argument("--input-key", default=None, help="row key holding the prompt: text or chat messages (default: prompt)")
+    g.add_argument("--prompt-data", metavar="PATH",
+                   help=".jsonl or .parquet prompts (default: the bundled arithmetic task)")
+    g.add_argument("--input-key", default=None,
+                   help="row key holding the prompt: text or chat messages (default: prompt)")
     g.add_argument("--label-key", default=None, help="row key holding the ground truth for the reward")
     g.add_argument("--apply-chat-template", action=argparse.BooleanOptionalAction, default=None,
-                   help="wrap prompts in the tokenizer's chat template (default: on for the bundled task, off otherwise)")
+                   help="wrap prompts in the tokenizer's chat template "
+                        "(default: on for the bundled task, off otherwise)")
     g.add_argument("--rollout-shuffle", action="store_true", help="shuffle prompts each epoch (seeded by --seed)")
     g.add_argument("--rollout-max-prompt-len", type=int, metavar="N", help="drop prompts longer than N tokens")
 
     g = p.add_argument_group("rollout")
     g.add_argument("--rollout-batch-size", type=int, default=8, help="prompts per rollout (default: 8)")
-    g.add_argument("--n-samples-per-prompt", type=int, default=4, help="responses per prompt, a GRPO group (default: 4)")
+    g.add_argument("--n-samples-per-prompt", type=int, default=4,
+                   help="responses per prompt, a GRPO group (default: 4)")
     g.add_argument("--rollout-max-response-len", type=int, default=24, help="max new tokens per response (default: 24)")
-    g.add_argument("--rollout-temperature", type=float, default=0.7, help="sampling temperature; 0 is greedy (default: 0.7)")
+    g.add_argument("--rollout-temperature", type=float, default=0.7,
+                   help="sampling temperature; 0 is greedy (default: 0.7)")
     g.add_argument("--rollout-top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
     g.add_argument("--rm-type", default=None, choices=RM_TYPES, help=f"reward function: {', '.join(RM_TYPES)} "
                    "(default: math; see miles/rollout/rewards.py for what each accepts)")
-    g.add_argument("--custom-rm-path", metavar="MODULE:FUNCTION", help="custom reward, fn(sample) -> float (async allowed)")
+    g.add_argument("--custom-rm-path", metavar="MODULE:FUNCTION",
+                   help="custom reward, fn(sample) -> float (async allowed)")
     g.add_argument("--reward-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="seconds one sample's reward may take; a reward that hangs stops the run with an error "
                         "naming it (default: 60)")
@@ -91,12 +102,15 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rollout-backend", choices=BACKENDS, default="local",
                    help="local: miles' engine in process; sglang: servers speaking SGLang's native API (SGLang, or "
                         "`miles serve`); vllm: vLLM OpenAI servers (default: local)")
-    g.add_argument("--sglang-url", type=_urls, metavar="URL[,URL...]", help="SGLang-API servers to use (with --rollout-backend sglang)")
-    g.add_argument("--vllm-url", type=_urls, metavar="URL[,URL...]", help="vLLM servers to use (with --rollout-backend vllm)")
+    g.add_argument("--sglang-url", type=_urls, metavar="URL[,URL...]",
+                   help="SGLang-API servers to use (with --rollout-backend sglang)")
+    g.add_argument("--vllm-url", type=_urls, metavar="URL[,URL...]",
+                   help="vLLM servers to use (with --rollout-backend vllm)")
     g.add_argument("--rollout-num-engines", type=int, default=1, metavar="N",
                    help="servers miles starts itself when no URL is given (default: 1)")
-    g.add_argument("--vllm-python", metavar="PATH", help="the python of a vLLM install, for the vLLM servers miles starts "
-                                                         "(default: the interpreter of the `vllm` on PATH)")
+    g.add_argument("--vllm-python", metavar="PATH",
+                   help="the python of a vLLM install, for the vLLM servers miles starts "
+                        "(default: the interpreter of the `vllm` on PATH)")
     g.add_argument("--sglang-log-dir", metavar="DIR", default="/tmp/sglang",
                    help="logs of the servers miles starts, SGLang's and vLLM's (default: /tmp/sglang)")
     g.add_argument("--sglang-server-concurrency", type=int, default=64, metavar="N",
@@ -108,15 +122,16 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sglang-mem-fraction-static", type=float, default=None, metavar="F",
                    help="the share of each GPU an engine may take, in (0, 1]: for the local engine its weights plus KV "
                         "cache (the cache is sized to the rollout, at most this share less what the process holds); "
-                        "--mem-fraction-static for miles serve / SGLang, --gpu-memory-utilization for vLLM servers miles "
-                        "starts; with --colocate leave room for the trainer (default: 0.9 local, the server's own "
-                        "otherwise; no effect on CPUs)")
+                        "--mem-fraction-static for miles serve / SGLang, --gpu-memory-utilization for vLLM servers "
+                        "miles starts; with --colocate leave room for the trainer (default: 0.9 local, the server's "
+                        "own otherwise; no effect on CPUs)")
     g.add_argument("--local-decoder", choices=("fast", "hf"), default="fast",
                    help="the local engine's decode path: fast (continuous batching over a slot KV cache, packed "
                         "prefill, CUDA graphs on a GPU) or hf (the HF model's own forward and KV cache: the reference, "
                         "to rule the fast path in or out); models the fast path cannot run use hf (default: fast)")
     g.add_argument("--disable-cuda-graph", action="store_true",
-                   help="the local engine's decode steps run eagerly instead of as CUDA graph replays (as SGLang's flag)")
+                   help="the local engine's decode steps run eagerly instead of as CUDA graph replays "
+                        "(as SGLang's flag)")
     g.add_argument("--enable-torch-compile", action="store_true",
                    help="the local engine's layers and sampler through torch.compile (fused elementwise kernels; "
                         "compiles once at the first rollout; as SGLang's flag)")
@@ -125,7 +140,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("scale-out (Ray)")
     g.add_argument("--actor-num-nodes", type=int, metavar="N",
-                   help="train on N nodes x --actor-num-gpus-per-node ranks, Ray actors with FSDP2 (default: one process)")
+                   help="train on N nodes x --actor-num-gpus-per-node ranks, Ray actors with FSDP2 "
+                        "(default: one process)")
     g.add_argument("--actor-num-gpus-per-node", type=int, metavar="G",
                    help="trainer ranks per node: one per GPU, or on a host without GPUs one CPU rank each (gloo)")
     g.add_argument("--rollout-num-gpus", type=int, metavar="N",
@@ -138,17 +154,20 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                         "they release memory while it trains")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0, metavar="M",
                    help="a collective (gradient reduce, weight gather) waiting longer, or a worker leaving the "
-                        "driver's ping unanswered this long, is an error naming the stuck rank; NCCL_TIMEOUT (seconds) in the "
-                        "environment overrides it (default: 10)")
+                        "driver's ping unanswered this long, is an error naming the stuck rank; NCCL_TIMEOUT "
+                        "(seconds) in the environment overrides it (default: 10)")
     g.add_argument("--async", dest="async_rollout", action="store_true",
                    help="one step ahead: rollout k+1 is generated while training on rollout k (samples are one "
                         "weight version stale; --use-tis corrects for it)")
 
     g = p.add_argument_group("training")
-    g.add_argument("--num-rollout", type=int, default=4, help="rollout steps in the whole run, counted from step 1 (default: 4)")
+    g.add_argument("--num-rollout", type=int, default=4,
+                   help="rollout steps in the whole run, counted from step 1 (default: 4)")
     g.add_argument("--num-steps-per-rollout", type=int, default=None, help="optimizer steps per rollout (default: 1)")
-    g.add_argument("--global-batch-size", type=int, default=None, help="samples per optimizer step (default: all samples of the rollout)")
-    g.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward/backward; gradients accumulate (default: 8)")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per optimizer step (default: all samples of the rollout)")
+    g.add_argument("--micro-batch-size", type=int, default=8,
+                   help="samples per forward/backward; gradients accumulate (default: 8)")
     g.add_argument("--use-dynamic-batch-size", action="store_true",
                    help="micro-batches hold as many samples as fit --max-tokens-per-gpu tokens (their real tokens with "
                         "--qkv-format thd, the padded grid with bshd), cut in order; --micro-batch-size is not used")
@@ -206,7 +225,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("debug: rollout or training?")
     g.add_argument("--debug-rollout-only", action="store_true",
-                   help="build the engine only: generate and reward rollouts, no trainer (pair with --save-debug-rollout-data)")
+                   help="build the engine only: generate and reward rollouts, no trainer "
+                        "(pair with --save-debug-rollout-data)")
     g.add_argument("--debug-train-only", action="store_true",
                    help="build the trainer only, no engine; trains on --load-debug-rollout-data dumps")
     g.add_argument("--save-debug-rollout-data", metavar="TEMPLATE",
@@ -220,7 +240,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--alignment-check", choices=("off", "warn", "error"), default="warn",
                    help="step-1 precision-alignment report; error: any FAIL exits with status 3 (default: warn)")
     g.add_argument("--check-weight-update-equal", action="store_true",
-                   help="after each sync, compare every engine tensor with the trainer's by digest, and the engine's buffers")
+                   help="after each sync, compare every engine tensor with the trainer's by digest, "
+                        "and the engine's buffers")
     g.add_argument("--debug-weight-sync", type=int, choices=(0, 1, 2), default=0, metavar="LEVEL",
                    help="1: a checksum on each weight_sync line; 2: also one line per tensor")
 
@@ -237,11 +258,14 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                         "a CPU) scores each rollout with the trainer's computation and re-draws a token drawn across "
                         "a rounding boundary")
     g.add_argument("--debug-determinism", action="store_true",
-                   help="write per-step hashes (tokens, log-probs, rewards, loss, gradients, parameters) to hashes.jsonl")
+                   help="write per-step hashes (tokens, log-probs, rewards, loss, gradients, parameters) "
+                        "to hashes.jsonl")
 
     g = p.add_argument_group("logging")
-    g.add_argument("--use-tensorboard", action="store_true", help="also write TensorBoard events to OUTPUT_DIR/tensorboard")
-    g.add_argument("--use-wandb", action="store_true", help="also log to Weights & Biases (WANDB_MODE=offline works without network)")
+    g.add_argument("--use-tensorboard", action="store_true",
+                   help="also write TensorBoard events to OUTPUT_DIR/tensorboard")
+    g.add_argument("--use-wandb", action="store_true",
+                   help="also log to Weights & Biases (WANDB_MODE=offline works without network)")
     g.add_argument("--wandb-project", default="miles")
     g.add_argument("--wandb-group", default=None)
 
@@ -352,7 +376,8 @@ def _check_eval_flags(args: argparse.Namespace) -> None:
             raise UsageError(f"--eval-prompt-data: the name {name!r} must be letters, digits, - or _ (it names the "
                              "metric eval/NAME); give NAME PATH pairs")
     if args.eval_interval is None:
-        raise UsageError("--eval-prompt-data needs --eval-interval N (evaluate before the first step and every N steps)")
+        raise UsageError("--eval-prompt-data needs --eval-interval N "
+                         "(evaluate before the first step and every N steps)")
     if args.debug_train_only or args.load_debug_rollout_data is not None:
         raise UsageError("--eval-prompt-data evaluates through the rollout engine; a --debug-train-only run (or a "
                          "replay of dumps) has none")
@@ -424,11 +449,12 @@ def _check_cluster_flags(args: argparse.Namespace) -> None:
     if ray_mode and not args.use_dynamic_batch_size and args.global_batch_size % (ranks * args.micro_batch_size):
         raise UsageError(f"--global-batch-size {args.global_batch_size} must split evenly into {ranks} trainer ranks "
                          f"(--actor-num-nodes x --actor-num-gpus-per-node) of whole micro-batches of "
-                         f"--micro-batch-size {args.micro_batch_size}: make it a multiple of {ranks * args.micro_batch_size}")
+                         f"--micro-batch-size {args.micro_batch_size}: make it a multiple of "
+                         f"{ranks * args.micro_batch_size}")
     if ray_mode and args.true_on_policy_mode:
         raise UsageError("--true-on-policy-mode needs the engine to compute in the trainer's process what the trainer "
-                         "computes; with --actor-num-nodes / --actor-num-gpus-per-node the trainer runs in Ray workers: "
-                         "drop one of the two")
+                         "computes; with --actor-num-nodes / --actor-num-gpus-per-node the trainer runs in Ray "
+                         "workers: drop one of the two")
     if args.colocate and not ray_mode:
         raise UsageError("--colocate places engines on the trainer ranks' devices: it needs --actor-num-gpus-per-node "
                          "(a 1-process run shares its one device already)")

@@ -14,7 +14,8 @@ measures the gap again, mean |trainer - engine| over the response tokens:
 
 A factor "moves the gap" when changing it alone leaves at most half the gap; the verdict names, of
 the factors leaving the least (within 2x of the best), the first in the table's order, which runs from
-the most specific to the most general (the decode path holds the KV cache and every kernel of the loop). `Mismatch attribution | ...` lines land in train.log for `miles doctor`.
+the most specific to the most general (the decode path holds the KV cache and every kernel of the loop).
+`Mismatch attribution | ...` lines land in train.log for `miles doctor`.
 With servers (`--rollout-backend sglang|vllm`) the engine's full forward is the server's prompt
 log-probs (always at temperature 1, so that factor needs --rollout-temperature 1); the weights and
 the KV cache factors need the engine's model in process and are reported as not measurable.
@@ -167,7 +168,8 @@ def attribute(probe: Probe, trainer, engine, *, temperature: float, precision: s
 
     if engine_model is not None:
         theirs = score(engine_model, probe, temperature=temperature, autocast=trainer.autocast, pad_token_id=pad)
-        result.factors.append(Factor("weights", "the trainer's weights", "the engine's weights", gap(theirs, probe.engine)))
+        result.factors.append(Factor("weights", "the trainer's weights", "the engine's weights",
+                                     gap(theirs, probe.engine)))
     else:
         result.factors.append(Factor("weights", "the trainer's weights", "the engine's weights", None,
                                      "no engine in this run" if engine is None else "the engine's weights are in a "
@@ -175,7 +177,8 @@ def attribute(probe: Probe, trainer, engine, *, temperature: float, precision: s
     if precision != "fp32":
         fp32 = score(model, probe, temperature=temperature, autocast=lambda: mixed_precision("fp32", "cpu"),
                      pad_token_id=pad)
-        result.factors.append(Factor("precision", f"trainer in {precision}", "trainer in fp32", gap(fp32, probe.engine)))
+        result.factors.append(Factor("precision", f"trainer in {precision}", "trainer in fp32",
+                                     gap(fp32, probe.engine)))
     else:
         result.factors.append(Factor("precision", "fp32", "fp32", None, "the run is fp32 already"))
     if temperature != 1.0:

@@ -78,7 +78,8 @@ def _by_probe(path: Path, client, url: str, precision: str) -> dict:
         logits = model(torch.tensor([tokens])).logits[0, :-1].float()
     mine = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0].tolist()
     diff = max(abs(a - b) for a, b in zip(mine, engine))
-    return {"a": str(path), "b": url, "method": f"probe ({kind.__name__.removesuffix('Server')}: no comparable digests)",
+    return {"a": str(path), "b": url,
+            "method": f"probe ({kind.__name__.removesuffix('Server')}: no comparable digests)",
             "probe_tokens": len(tokens), "probe_max_diff": diff, "tolerance": TOLERANCE[precision],
             "verdict": "match" if diff <= TOLERANCE[precision] else "differ"}
 
@@ -100,7 +101,8 @@ def _format(r: dict) -> str:
         for key, title in (("only_in_a", "only in A (missing from the engine)"), ("only_in_b", "only in B (extra)"),
                            ("values_differ", "values differ")):
             if r[key]:
-                lines.append(f"{title}: {len(r[key])}: " + ", ".join(r[key][:10]) + (" ..." if len(r[key]) > 10 else ""))
+                lines.append(f"{title}: {len(r[key])}: " + ", ".join(r[key][:10])
+                             + (" ..." if len(r[key]) > 10 else ""))
     else:
         lines.append(f"probe: {r['probe_tokens']} tokens, max |log p difference| {r['probe_max_diff']:.2e} "
                      f"(tolerance {r['tolerance']:g})")

@@ -52,7 +52,8 @@ def _cublas_workspace() -> str:
         return f"CUBLAS_WORKSPACE_CONFIG={os.environ['CUBLAS_WORKSPACE_CONFIG']}"
     if "CUBLAS_WORKSPACE_CONFIG" in os.environ:
         return (f"CUBLAS_WORKSPACE_CONFIG={os.environ['CUBLAS_WORKSPACE_CONFIG']} (yours, kept: torch parses it again "
-                f"at every GEMM, 45-160 us of host time a call; unset it to let the mode set it for torch's check only)")
+                f"at every GEMM, 45-160 us of host time a call; unset it to let the mode set it for torch's "
+                f"check only)")
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     one = torch.ones(1, 1, device="cuda")
     torch.mm(one, one)  # torch's check of the variable, cached from here on

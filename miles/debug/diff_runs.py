@@ -27,7 +27,8 @@ WHAT_IT_MEANS = {
     "trainer_log_probs": "same rollout, different trainer log-probs: trainer weights or forward numerics",
     "loss": "same log-probs, different loss: loss flags (--eps-clip, --kl-*, --advantage-estimator) or their code",
     "gradients": "same loss, different gradients: backward numerics (non-deterministic kernels) or batch split",
-    "parameters": "same gradients, different parameters: the optimizer (--lr, --weight-decay, --clip-grad) or its state",
+    "parameters": "same gradients, different parameters: the optimizer (--lr, --weight-decay, --clip-grad) "
+                  "or its state",
 }
 
 

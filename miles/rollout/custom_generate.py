@@ -79,7 +79,8 @@ class EngineClient:
     """One sample's handle on the rollout engine."""
 
     def __init__(self, engine: Engine, sampling: SamplingParams, seed: int, tokenizer, batcher: Batcher | None):
-        self.engine, self.sampling, self.seed, self.tokenizer, self._batcher = engine, sampling, seed, tokenizer, batcher
+        self.engine, self.sampling, self.seed = engine, sampling, seed
+        self.tokenizer, self._batcher = tokenizer, batcher
         self.calls = 0
 
     async def generate(self, tokens: list[int], max_new_tokens: int | None = None) -> GenerationOutput:

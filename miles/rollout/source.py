@@ -203,8 +203,8 @@ def drop_long_prompts(records: list[PromptRecord], tokenizer, *, apply_chat_temp
     unfit = [(i, n) for i, n in enumerate(lengths) if max_positions < n <= limit]
     if unfit:
         i, n = max(unfit, key=lambda item: item[1])
-        raise UsageError(f"--prompt-data row {i + 1}: its prompt is {n} tokens, but with --rollout-max-response-len the "
-                         f"model has room for {max_positions} ({len(unfit)} such prompt(s)); pass "
+        raise UsageError(f"--prompt-data row {i + 1}: its prompt is {n} tokens, but with --rollout-max-response-len "
+                         f"the model has room for {max_positions} ({len(unfit)} such prompt(s)); pass "
                          f"--rollout-max-prompt-len {max_positions} (or less) to drop them, or lower "
                          f"--rollout-max-response-len")
     if max_prompt_len is None:

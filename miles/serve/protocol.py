@@ -266,7 +266,8 @@ def parse_sampling(p: dict, *, prompt_len: int, limits: ModelLimits, rng: random
                 raise BadRequest(f"sampling_params.{key} is not supported by miles serve (only its default, "
                                  f"{_show(default)})")
         elif key not in SAMPLING_KEYS and key not in SAMPLING_IGNORED:
-            raise BadRequest(f"unknown sampling_params key {_show(key)}; expected one of {', '.join(sorted(SAMPLING_KEYS))}")
+            raise BadRequest(f"unknown sampling_params key {_show(key)}; "
+                             f"expected one of {', '.join(sorted(SAMPLING_KEYS))}")
 
     temperature = p.get("temperature", 1.0)
     if temperature is None:

@@ -89,7 +89,8 @@ def load_checked(model_path: str, specs: ParameterSpecs) -> dict[str, torch.Tens
             raise WeightLoadError(f"{name} and {canonical} are tied in the model but differ in {model_path}")
         tensors[canonical] = t
     if unknown:
-        raise WeightLoadError(f"{model_path} holds {len(unknown)} tensor(s) the model does not have: {_listed(unknown)}")
+        raise WeightLoadError(f"{model_path} holds {len(unknown)} tensor(s) the model does not have: "
+                              f"{_listed(unknown)}")
     missing = [n for n in specs.shapes if n not in tensors]
     if missing:
         raise WeightLoadError(f"{model_path} lacks {len(missing)} of the model's parameters: {_listed(missing)}")

@@ -110,7 +110,8 @@ def build_moe_model(family: str = "qwen3_moe", seed: int = 0, *, hidden_size: in
     per_family = {
         "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, dict(num_experts=experts, moe_intermediate_size=hidden_size,
                                                                shared_expert_intermediate_size=hidden_size)),
-        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(num_experts=experts, moe_intermediate_size=hidden_size)),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(num_experts=experts,
+                                                                 moe_intermediate_size=hidden_size)),
         "mixtral": (MixtralConfig, MixtralForCausalLM, dict(num_local_experts=experts)),
         "olmoe": (OlmoeConfig, OlmoeForCausalLM, dict(num_experts=experts)),
     }

@@ -159,7 +159,8 @@ LogitsSink = Callable[[int, int, torch.Tensor], None]
 @torch.no_grad()
 def score_rollout(model, batch: TrainBatch, micro_batch_size: int, temperature: float, autocast,
                   with_logits: bool = False, *, packed: bool = True, chunk_size: int = LOG_PROBS_CHUNK_SIZE,
-                  compiled: bool = False, around: Callable[[TrainBatch], contextlib.AbstractContextManager] | None = None,
+                  compiled: bool = False,
+                  around: Callable[[TrainBatch], contextlib.AbstractContextManager] | None = None,
                   bounds: list[tuple[int, int]] | None = None, on_logits: LogitsSink | None = None):
     """The trainer's scoring pass: response log-probs (B, R), micro-batch by micro-batch (rows
     [start, stop) of `bounds`, or `micro_batch_size` rows each); each micro-batch's forward runs

@@ -31,8 +31,8 @@ def by_tokens(lengths: Sequence[int], start: int, stop: int, max_tokens: int, *,
     parts, lo = [], start
     for i in range(start, stop):
         if lengths[i] > max_tokens:
-            raise UsageError(f"--max-tokens-per-gpu {max_tokens} is below sample {i}'s {lengths[i]} tokens (prompt + response): "
-                             f"raise it to at least {max(lengths[start:stop])}")
+            raise UsageError(f"--max-tokens-per-gpu {max_tokens} is below sample {i}'s {lengths[i]} tokens "
+                             f"(prompt + response): raise it to at least {max(lengths[start:stop])}")
         if i > lo and cost(lengths, lo, i + 1, packed=packed) > max_tokens:
             parts.append((lo, i))
             lo = i

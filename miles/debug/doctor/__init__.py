@@ -109,8 +109,8 @@ def render(corpus, findings: list, sigs: list, runs: list = (), facts=None, clos
             out.append(f"   likely culprit: {f.culprit}")
             out.append(f"   fix: {f.fix}")
             for k, case in enumerate(f.seen):
-                out.append(f"   {'seen before in:' if k == 0 else '               '} {case['url']} ({case['framework']}: "
-                           f"{case['title']})")
+                out.append(f"   {'seen before in:' if k == 0 else '               '} {case['url']} "
+                           f"({case['framework']}: {case['title']})")
             out.append("")
     else:
         out.append("miles doctor: no known symptom found in what was read.\n")

@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     n = len(outcomes)
     top1, top3 = sum(o.top1 for o in outcomes), sum(o.top3 for o in outcomes)
     print(f"knowledge base: {n} cases over {len({c.culprit for c in known})} culprits, {len(noise)} distractors"
-          f"{' (pending cases included)' if args.with_pending else ''}; each held out of the base it is matched against")
+          f"{' (pending cases included)' if args.with_pending else ''}; each held out of the base "
+          f"it is matched against")
     print(f"leave-one-out: top-1 {_pct(top1, n)} ({top1}/{n}), top-3 {_pct(top3, n)} ({top3}/{n})\n")
     by_culprit, by_framework = defaultdict(list), defaultdict(list)
     for o in outcomes:

@@ -15,7 +15,8 @@ from miles.debug.doctor.readers import CANONICAL
 
 # Names as users write them -> the framework (the knowledge base's `framework` values).
 FRAMEWORKS = {
-    "miles": r"\bmiles\b(?! per)", "slime": r"\bslime\b", "verl": r"\bverl\b", "trl": r"\bTRL\b|\bGRPOTrainer\b|\btrl\.",
+    "miles": r"\bmiles\b(?! per)", "slime": r"\bslime\b", "verl": r"\bverl\b",
+    "trl": r"\bTRL\b|\bGRPOTrainer\b|\btrl\.",
     "openrlhf": r"\bOpenRLHF\b", "prime-rl": r"\bprime[-_]rl\b", "nemo-rl": r"\bNeMo[-_ ]RL\b|\bnemo_rl\b",
     "skyrl": r"\bSkyRL\b", "areal": r"\bAReaL\b", "sglang": r"\bsglang\b", "vllm": r"\bvllm\b",
     "megatron": r"\bMegatron\b|\bmegatron\.", "deepspeed": r"\bDeepSpeed\b", "fsdp": r"\bFSDP2?\b",
@@ -27,7 +28,8 @@ PACKAGES = ("torch", "pytorch", "transformers", "vllm", "sglang", "megatron-core
 _SAME = {"pytorch": "torch", "megatron-lm": "megatron-core", "megatron": "megatron-core"}
 # `name==1.2.3` (pip freeze), `name 1.2.3`, `name version: 1.2.3`, and `name version: <commit>` (a git checkout).
 _VERSION = re.compile(r"(?i)(?<![\w-])(" + "|".join(re.escape(p).replace(r"\-", "[-_ ]?") for p in PACKAGES)
-                      + r")(?:(?:[-_ ]?version\s*[:=]\s*(?P<commit>[0-9a-f]{7,40})\b)|(?:[-_ ]?version)?\s*(?:==|:|=|\s)"
+                      + r")(?:(?:[-_ ]?version\s*[:=]\s*(?P<commit>[0-9a-f]{7,40})\b)"
+                        r"|(?:[-_ ]?version)?\s*(?:==|:|=|\s)"
                         r"\s*v?(?P<v>\d+\.\d+\w*(?:[.+]\w+)*))")  # 2.5.1+cu121, 0.8.5.post1; not a sentence's full stop
 # RL frameworks come before the engines and libraries they run on: a slime report mentions SGLang more often.
 RL_FRAMEWORKS = ("miles", "slime", "verl", "trl", "openrlhf", "prime-rl", "nemo-rl", "skyrl", "areal")

@@ -60,7 +60,8 @@ class KBError(ValueError):
 @lru_cache(maxsize=1)
 def culprits() -> dict[str, Culprit]:
     data = json.loads((KB / "culprits.json").read_text())
-    return {c["id"]: Culprit(c["id"], c["name"], c["guide"], c["fix"], c["signals"], c["scope"]) for c in data["culprits"]}
+    return {c["id"]: Culprit(c["id"], c["name"], c["guide"], c["fix"], c["signals"], c["scope"])
+            for c in data["culprits"]}
 
 
 def _read(path: Path, distractor: bool) -> list[Case]:

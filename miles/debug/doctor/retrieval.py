@@ -248,7 +248,8 @@ _TROUBLE = re.compile(
     r"too many|exceeds?|exceeded|rejects?|rejected|revert\w*|limit\w*)\b")
 
 
-_COMMAND = re.compile(r"^\s*(?:python3?|torchrun|ray|bash|sh|srun|sbatch|deepspeed|accelerate|export|pip|cd|vllm serve)\b")
+_COMMAND = re.compile(r"^\s*(?:python3?|torchrun|ray|bash|sh|srun|sbatch|deepspeed|accelerate|export|pip|cd"
+                      r"|vllm serve)\b")
 
 
 def query_lines(corpus) -> tuple[list[tuple[str, str]], bool]:

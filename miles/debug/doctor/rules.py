@@ -115,8 +115,8 @@ def mismatch_attribution(c: Corpus) -> list[Finding]:
     out = []
     for log, i in c.grep(r"Mismatch attribution \| verdict \| .* culprit id: \w+"):
         line = log.lines[i]
-        m = re.search(r"verdict \| (?P<factor>[^:]+): (?P<what>.*?) moves the gap (?P<gap>.*?) \| culprit id: (?P<id>\w+)",
-                      line)
+        m = re.search(r"verdict \| (?P<factor>[^:]+): (?P<what>.*?) moves the gap (?P<gap>.*?) "
+                      r"\| culprit id: (?P<id>\w+)", line)
         if not m or m["id"] not in culprits():
             continue
         moving = [j for j in range(max(0, i - 8), i) if "Mismatch attribution |" in log.lines[j]

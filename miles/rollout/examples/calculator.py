@@ -1,4 +1,5 @@
-"""A calculator tool for the arithmetic task: `--custom-generate-function-path miles.rollout.examples.calculator:generate`.
+"""A calculator tool for the arithmetic task:
+`--custom-generate-function-path miles.rollout.examples.calculator:generate`.
 
 The policy answers; when its answer holds `<calc>EXPRESSION</calc>` (numbers, + - * / and
 parentheses), the tool appends `<result>VALUE</result>` (masked: the policy did not write it) and the

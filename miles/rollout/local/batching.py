@@ -235,8 +235,9 @@ class _Call:
         self.done[slots] |= hit | (made >= self.limit[req])
 
     def collect(self, weight_version) -> list[GenerationOutput]:
-        """The requests' outputs. Each row's made tokens only become Python lists, through numpy (512 rows of 256: 5.4-8.1
-        ms on the 2-core CPU against 9.8-14.5 ms for torch's tolist of the whole tables, time a GPU sits idle)."""
+        """The requests' outputs. Each row's made tokens only become Python lists, through numpy (512 rows of 256:
+        5.4-8.1 ms on the 2-core CPU against 9.8-14.5 ms for torch's tolist of the whole tables, time a GPU sits
+        idle)."""
         made, stopped = self.made_of[: self.n].tolist(), self.stopped_of[: self.n].tolist()
         tokens, log_probs = self.tokens[: self.n].cpu().numpy(), self.log_probs[: self.n].cpu().numpy()
         return [GenerationOutput(tokens[r, :m].tolist(), log_probs[r, :m].tolist(), "stop" if stop else "length",

@@ -14,8 +14,8 @@ The fast path's KV cache is sized to the call (slots for every request, as many 
 
 Colocated with the trainer on one device, the engine gives its memory back between rollouts:
 `release_memory` drops the KV cache and CUDA graphs, moves the weights to the CPU and returns the
-allocator's cached blocks to the driver; `generate` then refuses until `resume_memory` moves them back. Weights updated meanwhile
-are copied into the CPU copy and so reach the device at resume.
+allocator's cached blocks to the driver; `generate` then refuses until `resume_memory` moves them back.
+Weights updated meanwhile are copied into the CPU copy and so reach the device at resume.
 """
 
 from __future__ import annotations
@@ -198,7 +198,8 @@ class LocalEngine:
         return outputs
 
     def decode(self, prompts: list[list[int]], sampling: SamplingParams, uniforms: torch.Tensor,
-               progress: Callable[[int], None] | None = None, limits: list[int] | None = None) -> list[GenerationOutput]:
+               progress: Callable[[int], None] | None = None,
+               limits: list[int] | None = None) -> list[GenerationOutput]:
         """The KV-cache decode of `prompts` driven by `uniforms` (B, T); row i makes at most limits[i] tokens."""
         if self.released:
             raise RuntimeError("the engine's memory is released (release_memory): call resume_memory first")

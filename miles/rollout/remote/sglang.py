@@ -76,7 +76,8 @@ class SGLangServer:
         finish = meta.get("finish_reason")
         kind = finish.get("type") if isinstance(finish, dict) else finish
         if kind == "abort":
-            raise Garbage(f"the server aborted the request ({finish.get('message', '') if isinstance(finish, dict) else ''})")
+            raise Garbage(f"the server aborted the request "
+                          f"({finish.get('message', '') if isinstance(finish, dict) else ''})")
         out = checked_output([t[1] for t in triples], [t[0] for t in triples], _FINISH.get(kind, kind),
                              max_new_tokens=sampling.max_new_tokens, vocab_size=self.vocab_size,
                              weight_version=version_number(meta.get("weight_version")))
