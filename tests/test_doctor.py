@@ -73,6 +73,30 @@ def test_each_culprit_is_named_first(capsys, fixture, fid, symptom, fix):
     assert rc == 1
     top = symptoms(report)[0]
     assert (top["id"], symptom in top["symptom"], fix in top["fix"]) == (fid, True, True), top
+
+
+def test_nan_gradients_after_nan_rewards_name_the_reward(capsys, tmp_path):
+    """NaN gradients downstream of NaN rewards or advantages: the reward is named first, not the chat template (the
+    guide's row for NaN gradients), from a run's metrics and from a pasted report's words; a NaN elsewhere on a
+    reward's log line (`reward 0.000 | loss nan`, the nan_grad fixture) is no NaN reward."""
+    run = tmp_path / "run"
+    shutil.copytree(FIX / "nan_grad", run)
+    rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        if r["train/grad_norm"] == "nan":
+            r["rollout/reward_mean"] = "nan"
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = tmp_path / "report.md"
+    report.write_text("GRPO with three reward functions; one returns None when its API call fails. The run finishes "
+                      "but the model does not improve, and the advantages are NaN for the whole batch.\n\n```\n"
+                      "loss=0.0\ngrad_norm=NaN\n```\n")
+    for path in (run, report):
+        _, got = findings(capsys, path)
+        top = symptoms(got)[0]
+        assert (top["id"], top["culprit_id"]) == ("nan_grad", "reward_bug"), top
+        assert "after non-finite rewards or advantages" in top["symptom"], top
+    _, got = findings(capsys, FIX / "nan_grad")
+    assert symptoms(got)[0]["culprit_id"] == "chat_template"
     assert top["likely_culprit"] and top["level"] in ("high", "medium")
     # Evidence quotes the real line: `file:N` holds exactly the text shown (secrets redacted).
     from miles.debug.doctor.bundle import redact

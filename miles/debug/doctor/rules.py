@@ -381,6 +381,10 @@ def nan_gradients(c: Corpus) -> list[Finding]:
         evidence.append(line_ev(log, i))
     if not evidence:
         return []
+    upstream = nonfinite_reward_evidence(c)
+    if upstream:  # non-finite rewards or advantages make the loss and its gradients non-finite: they are the cause
+        return [Finding("nan_grad", "NaN/Inf gradients after non-finite rewards or advantages", 0.9,
+                        upstream[:2] + evidence[:1], NONFINITE_REWARD_CULPRIT, NONFINITE_REWARD_FIX, kb="reward_bug")]
     fp8 = c.hints(r"fp8")
     culprit = ("activation overflow in FP8, or a bad chat template" if fp8 else
                "a bad chat template (garbage prompts give extreme log-probs), or activation overflow in low precision")
@@ -394,19 +398,41 @@ def nan_gradients(c: Corpus) -> list[Finding]:
 
 @rule
 def nonfinite_rewards(c: Corpus) -> list[Finding]:
-    """NaN/Inf in the reward series: every other metric of that step is computed from it."""
+    """NaN/Inf in the reward series: every other metric of that step is computed from it. Without a series, a
+    log or report line giving a reward or advantage the value NaN/Inf ("critic/rewards/mean:nan", "the advantages
+    are NaN")."""
     bad = [p for src in c.metrics for p in src.series.get("reward", []) if not math.isfinite(p.value)]
-    if not bad:
+    if bad:
+        steps = sorted({p.step for p in bad})
+        where = ", ".join(map(str, steps[:3])) + (f" and {len(steps) - 3} more" if len(steps) > 3 else "")
+        symptom, evidence = f"non-finite rewards (NaN/Inf) at step {where}", [point_ev(p) for p in bad[:2]]
+    elif evidence := nonfinite_reward_evidence(c):
+        symptom = "non-finite rewards or advantages (NaN/Inf)"
+    else:
         return []
-    steps = sorted({p.step for p in bad})
-    where = ", ".join(map(str, steps[:3])) + (f" and {len(steps) - 3} more" if len(steps) > 3 else "")
-    return [Finding("reward_nonfinite", f"non-finite rewards (NaN/Inf) at step {where}",
-                    0.85, [point_ev(p) for p in bad[:2]],
-                    "the reward function returned NaN/Inf for some samples (a division by zero or an unparsed answer "
-                    "turned into float('nan'), a reward model's overflow), or a reward of None averaged in",
-                    "read the samples of that step (`miles inspect-rollout DUMP`, `--debug-rollout-print-every 1`); "
-                    "make the reward return a finite number for every response, 0.0 for one it cannot score",
+    return [Finding("reward_nonfinite", symptom, 0.85, evidence[:2], NONFINITE_REWARD_CULPRIT, NONFINITE_REWARD_FIX,
                     kb="reward_bug")]
+
+
+NONFINITE_REWARD_CULPRIT = ("the reward function returned NaN/Inf for some samples (a division by zero or an unparsed "
+                            "answer turned into float('nan'), a reward model's overflow), or a reward of None averaged "
+                            "in; the group's advantages, the loss and its gradients follow it")
+NONFINITE_REWARD_FIX = ("read the samples of that step (`miles inspect-rollout DUMP`, "
+                        "`--debug-rollout-print-every 1`); make the reward return a finite number for every response, "
+                        "0.0 for one it cannot score")
+# A reward or advantage given the value NaN/Inf: as a logged metric (`critic/rewards/mean:nan`, `reward=nan`), or in
+# a sentence ("the advantages are NaN", "NaN rewards"), within one line. Not a NaN elsewhere on a reward's line
+# ("reward 0.000 | loss nan"): that is the loss's.
+_NONFINITE_REWARD = (r"(?i)\b(?:rewards?|advantages?)(?:[/_.][\w/.]*)?[ \t]*[:=][ \t]*-?(?:nan|inf)\b|"
+                     r"\b(?:rewards?|advantages?)[ \t]+(?:are|is|was|were|become|becomes|became|turns?|turned|goes|"
+                     r"go|went)[ \t]+(?:all[ \t]+)?-?(?:nan|inf)\b|"
+                     r"\b(?:nan|non-finite)[ \t]+(?:rewards?|advantages?)\b")
+
+
+def nonfinite_reward_evidence(c: Corpus) -> list[Evidence]:
+    """The reward series' non-finite points, else the log lines giving a reward or advantage the value NaN/Inf."""
+    bad = [point_ev(p) for src in c.metrics for p in src.series.get("reward", []) if not math.isfinite(p.value)]
+    return bad or [line_ev(log, i) for log, i in c.grep(_NONFINITE_REWARD)[:2]]
 
 
 @rule
