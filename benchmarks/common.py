@@ -31,14 +31,21 @@ def steady(rows: list[dict], key: str) -> float:
 
 def gpu_times(fn, repeats: int = 5, calls: int = 20) -> list[float]:
     """Seconds a call of FN on the GPU alone: REPEATS replays of a CUDA graph holding CALLS calls (no launch time)."""
+    return graph_times([fn] * calls, repeats)
+
+
+def graph_times(calls, repeats: int = 5) -> list[float]:
+    """Seconds a call, over REPEATS replays of one CUDA graph holding every call in CALLS in turn (each called once
+    before the capture)."""
     import torch
 
-    fn()
+    for call in dict.fromkeys(calls):
+        call()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+        for call in calls:
+            call()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -46,7 +53,7 @@ def gpu_times(fn, repeats: int = 5, calls: int = 20) -> list[float]:
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1000 / calls)
+        times.append(start.elapsed_time(end) / 1000 / len(calls))
     return times
 
 

@@ -17,7 +17,7 @@ import statistics
 
 import torch
 import torch.nn.functional as F
-from common import copy_bandwidth, matmul_flops
+from common import copy_bandwidth, graph_times, matmul_flops
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 896, 14, 2, 64, 4864, 151936
 SHAPES = {  # name: (out features N, in features K, bias)
@@ -27,26 +27,6 @@ SHAPES = {  # name: (out features N, in features K, bias)
     "down": (HIDDEN, FFN, False),
     "lm_head": (VOCAB, HIDDEN, False),
 }
-
-
-def graph_seconds(calls, repeats: int) -> list[float]:
-    """Seconds a call, over REPEATS replays of one CUDA graph of every call in CALLS (warmed up first)."""
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000 / len(calls))
-    return times
 
 
 def main() -> None:
@@ -86,7 +66,7 @@ def main() -> None:
             flop, weight_bytes = 2 * batch * n * k, n * k * 2
             for way, calls in ways.items():
                 diff = (calls[0]().float() - reference).abs().max().item()
-                times = graph_seconds(calls, args.repeats)
+                times = graph_times(calls, args.repeats)
                 t = statistics.median(times)
                 print(f"batch {batch:4d} {name:8s} ({batch}x{k} @ {k}x{n}) {way:13s} {t * 1e6:7.2f} us "
                       f"[{min(times) * 1e6:.2f}, {max(times) * 1e6:.2f}] | {flop / t / 1e12:6.1f} TFLOP/s "
