@@ -401,7 +401,7 @@ def nonfinite_rewards(c: Corpus) -> list[Finding]:
     """NaN/Inf in the reward series: every other metric of that step is computed from it. Without a series, a
     log or report line giving a reward or advantage the value NaN/Inf ("critic/rewards/mean:nan", "the advantages
     are NaN")."""
-    bad = [p for src in c.metrics for p in src.series.get("reward", []) if not math.isfinite(p.value)]
+    bad = _nonfinite_rewards(c)
     if bad:
         steps = sorted({p.step for p in bad})
         where = ", ".join(map(str, steps[:3])) + (f" and {len(steps) - 3} more" if len(steps) > 3 else "")
@@ -429,10 +429,13 @@ _NONFINITE_REWARD = (r"(?i)\b(?:rewards?|advantages?)(?:[/_.][\w/.]*)?[ \t]*[:=]
                      r"\b(?:nan|non-finite)[ \t]+(?:rewards?|advantages?)\b")
 
 
+def _nonfinite_rewards(c: Corpus) -> list[Point]:
+    return [p for src in c.metrics for p in src.series.get("reward", []) if not math.isfinite(p.value)]
+
+
 def nonfinite_reward_evidence(c: Corpus) -> list[Evidence]:
     """The reward series' non-finite points, else the log lines giving a reward or advantage the value NaN/Inf."""
-    bad = [point_ev(p) for src in c.metrics for p in src.series.get("reward", []) if not math.isfinite(p.value)]
-    return bad or [line_ev(log, i) for log, i in c.grep(_NONFINITE_REWARD)[:2]]
+    return [point_ev(p) for p in _nonfinite_rewards(c)] or [line_ev(log, i) for log, i in c.grep(_NONFINITE_REWARD)[:2]]
 
 
 @rule
