@@ -75,6 +75,23 @@ def test_each_culprit_is_named_first(capsys, fixture, fid, symptom, fix):
     assert (top["id"], symptom in top["symptom"], fix in top["fix"]) == (fid, True, True), top
 
 
+def test_an_illegal_memory_access_names_an_engines_oom_only_where_an_engine_is(capsys, tmp_path):
+    """The guide's out-of-memory in disguise is an inference engine's (its static KV pool): an `illegal memory access`
+    in a trainer's traceback with no engine in sight is reported as a kernel's fault, naming no culprit; the same
+    traceback from a colocated run (an engine on the same GPU) names the out-of-memory."""
+    trace = ("Traceback (most recent call last):\n  File \"train.py\", line 88, in <module>\n    loss.backward()\n"
+             "  File \"transformer_engine/pytorch/module/linear.py\", line 412, in backward\n"
+             "RuntimeError: CUDA error: an illegal memory access was encountered\n")
+    log = tmp_path / "trainer.log"
+    log.write_text("python train.py --fp8 --micro-batch-size 4\n" + trace)
+    f = symptoms(findings(capsys, log)[1])[0]
+    assert (f["id"], f["culprit_id"]) == ("cuda_illegal_memory_access", None), f
+    assert "CUDA_LAUNCH_BLOCKING=1" in f["fix"]
+    log.write_text("python train.py --fp8 --micro-batch-size 4 --colocate\n" + trace)
+    f = symptoms(findings(capsys, log)[1])[0]
+    assert (f["id"], f["culprit_id"]) == ("illegal_memory_access", "oom_disguised"), f
+
+
 def test_nan_gradients_after_nan_rewards_name_the_reward(capsys, tmp_path):
     """NaN gradients downstream of NaN rewards or advantages: the reward is named first, not the chat template (the
     guide's row for NaN gradients), from a run's metrics and from a pasted report's words; a NaN elsewhere on a

@@ -32,9 +32,18 @@ def illegal_memory_access(c: Corpus) -> list[Finding]:
     if not hits:
         return []
     in_engine = [(log, i) for log, i in hits if log.kind == "sglang" or near(log, i, _SGLANG_CONTEXT, 80) is not None]
-    shown = (in_engine or hits)[:3]
+    shown = [line_ev(log, i) for log, i in (in_engine or hits)[:3]]
+    shared = c.hints(r"colocate(?!=(False|false|None|0)\b)|mem[_-]fraction[_-]static")  # an engine on the GPU
+    if not (in_engine or shared):  # the guide's out-of-memory in disguise is an engine's; this is any kernel's fault
+        return [Finding("cuda_illegal_memory_access", "`illegal memory access` in CUDA code, no inference engine in "
+                        "sight", 0.65, shown,
+                        "a kernel read or wrote out of bounds: a kernel's bug at these shapes or dtypes (FP8, fused or "
+                        "custom kernels), or a build of it for another torch/CUDA version",
+                        "rerun with CUDA_LAUNCH_BLOCKING=1 (or under compute-sanitizer) to name the kernel; try "
+                        "without the fused/FP8 kernel, and check its package was built for this torch and CUDA")]
     return [Finding("illegal_memory_access", "`illegal memory access` in the " + ("SGLang engine" if in_engine else
-                    "CUDA code"), 0.85 if in_engine else 0.65, [line_ev(log, i) for log, i in shown],
+                    "CUDA code, an engine sharing the GPU"), 0.85 if in_engine else 0.65,
+                    shown + ([] if in_engine else [hint_ev(shared[0])]),
                     "an out-of-memory in disguise: the engine's static KV-cache pool leaves too little room for "
                     "activations and CUDA graphs",
                     "lower --sglang-mem-fraction-static (e.g. 0.7, then 0.6); if it persists, rerun with "
