@@ -224,6 +224,8 @@ ASYNC_LOG = """\
 
 
 def test_async_run_without_its_worker_phrase(capsys, tmp_path):
+    """A slime or miles async run whose log lacks `Continuous async rollout worker started` gets a finding; with the
+    phrase, none; another framework's async run is not expected to print it."""
     log = tmp_path / "async.log"
     log.write_text(ASYNC_LOG)
     rc, report = findings(capsys, log)
@@ -235,6 +237,13 @@ def test_async_run_without_its_worker_phrase(capsys, tmp_path):
     log.write_text(ASYNC_LOG + "(RolloutRayActor pid=5188) Continuous async rollout worker started\n")
     rc, report = findings(capsys, log)
     assert rc == 0 and report["findings"] == []
+    # miles' own async flag expects it too; another framework's async mode, which never prints it, does not
+    for text, expected in (("miles train --async --rollout-batch-size 8\n", True),
+                           ("OpenRLHF async training with vLLM 0.16: the weight sync fails\n", False)):
+        log.write_text(text)
+        _, report = findings(capsys, log)
+        sig = {s["phrase"]: s for s in report["signal_phrases"]}
+        assert sig["Continuous async rollout worker started"]["expected"] is expected, text
 
 
 # -- no false alarm ------------------------------------------------------------------------------------

@@ -15,7 +15,9 @@ from miles.debug.doctor.rules import LOADED, covers_megatron_build, hint_ev, rul
 
 # A config key that is off (miles' own `async_rollout=False`) says the run is *not* async.
 _OFF = r"(?!=(False|false|None|0)\b)"
-_ASYNC = rf"(\basync\b|train_async|fully_async|async[_-]rollout|rollout[_-]async){_OFF}"
+# An async run of the two that print `Continuous async rollout worker started`: miles (`--async`, `async_rollout`) and
+# slime (train_async.py, fully_async). Another framework's async mode ("OpenRLHF async training") does not print it.
+_ASYNC = rf"(--async\b|train_async|fully_async|async[_-]rollout|rollout[_-]async){_OFF}"
 _DEBUG_ONE_SIDE = r"debug[_-]rollout[_-]only=(True|true)|debug[_-]train[_-]only=(True|true)|--debug-rollout-only|" \
                   r"--debug-train-only|load[_-]debug[_-]rollout[_-]data=[^N\s]"
 
