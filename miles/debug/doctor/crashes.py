@@ -11,7 +11,7 @@ import re
 
 from miles.debug.doctor.findings import Finding
 from miles.debug.doctor.readers import Corpus, LogFile
-from miles.debug.doctor.rules import TIMESTAMP, completed_steps, hint_ev, line_ev, rule
+from miles.debug.doctor.rules import NOT_OFF, TIMESTAMP, completed_steps, hint_ev, line_ev, rule
 
 _SGLANG_CONTEXT = re.compile(r"sglang|Scheduler|TP\d+\]|tp_worker|model_runner|cuda_graph_runner", re.IGNORECASE)
 
@@ -33,7 +33,7 @@ def illegal_memory_access(c: Corpus) -> list[Finding]:
         return []
     in_engine = [(log, i) for log, i in hits if log.kind == "sglang" or near(log, i, _SGLANG_CONTEXT, 80) is not None]
     shown = [line_ev(log, i) for log, i in (in_engine or hits)[:3]]
-    shared = c.hints(r"colocate(?!=(False|false|None|0)\b)|mem[_-]fraction[_-]static")  # an engine on the GPU
+    shared = c.hints(rf"colocate{NOT_OFF}|mem[_-]fraction[_-]static")  # an engine on the GPU
     if not (in_engine or shared):  # the guide's out-of-memory in disguise is an engine's; this is any kernel's fault
         return [Finding("cuda_illegal_memory_access", "`illegal memory access` in CUDA code, no inference engine in "
                         "sight", 0.65, shown,
@@ -60,7 +60,7 @@ def out_of_memory(c: Corpus) -> list[Finding]:
         if not steps:  # the trainer log may be elsewhere: metrics rows are written at the end of each step
             rows = [m for m in c.metrics if m.name.endswith("metrics.jsonl")]
             steps = sorted({p.step for m in rows for s in m.series.values() for p in s})
-        colocate = c.hints(r"(colocate|offload[_-]train)(?!=(False|false|None|0)\b)|release_memory_occupation|"
+        colocate = c.hints(rf"(colocate|offload[_-]train){NOT_OFF}|release_memory_occupation|"
                            r"resume_memory_occupation")
         evidence = [line_ev(log, i)] + ([hint_ev(colocate[0])] if colocate else [])
         if colocate and len(steps) == 1:

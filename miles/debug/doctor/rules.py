@@ -42,6 +42,8 @@ def hint_ev(hint: str) -> Evidence:
 
 
 LOADED = r"[Ll]oaded checkpoint from (?!`)\S"  # not a line that only quotes the phrase
+# After a setting in a hint (`Corpus.hints`): not set off (`colocate=False`, `=None`, `=0`); a flag has no `=`.
+NOT_OFF = r"(?!=(False|false|None|0)\b)"
 # Per-step summary lines: miles `step 3/10 |`, slime/Miles `step 3: {`, verl `step:3 -`, Megatron `iteration 3/`.
 MILES_STEP = re.compile(r"\bstep (\d+)/\d+ \||^\s*(?:\(.*?\)\s*)?.*?\bstep (\d+): \{|\bstep:(\d+) - |"
                         r"\biteration\s+(\d+)/")
@@ -406,7 +408,7 @@ def nonfinite_rewards(c: Corpus) -> list[Finding]:
         steps = sorted({p.step for p in bad})
         where = ", ".join(map(str, steps[:3])) + (f" and {len(steps) - 3} more" if len(steps) > 3 else "")
         symptom, evidence = f"non-finite rewards (NaN/Inf) at step {where}", [point_ev(p) for p in bad[:2]]
-    elif evidence := nonfinite_reward_evidence(c):
+    elif evidence := _nonfinite_reward_lines(c):
         symptom = "non-finite rewards or advantages (NaN/Inf)"
     else:
         return []
@@ -433,9 +435,13 @@ def _nonfinite_rewards(c: Corpus) -> list[Point]:
     return [p for src in c.metrics for p in src.series.get("reward", []) if not math.isfinite(p.value)]
 
 
+def _nonfinite_reward_lines(c: Corpus) -> list[Evidence]:
+    return [line_ev(log, i) for log, i in c.grep(_NONFINITE_REWARD)[:2]]
+
+
 def nonfinite_reward_evidence(c: Corpus) -> list[Evidence]:
     """The reward series' non-finite points, else the log lines giving a reward or advantage the value NaN/Inf."""
-    return [point_ev(p) for p in _nonfinite_rewards(c)] or [line_ev(log, i) for log, i in c.grep(_NONFINITE_REWARD)[:2]]
+    return [point_ev(p) for p in _nonfinite_rewards(c)] or _nonfinite_reward_lines(c)
 
 
 @rule

@@ -11,13 +11,12 @@ from dataclasses import dataclass
 
 from miles.debug.doctor.findings import Evidence, Finding
 from miles.debug.doctor.readers import Corpus
-from miles.debug.doctor.rules import LOADED, covers_megatron_build, hint_ev, rule
+from miles.debug.doctor.rules import LOADED, NOT_OFF, covers_megatron_build, hint_ev, rule
 
-# A config key that is off (miles' own `async_rollout=False`) says the run is *not* async.
-_OFF = r"(?!=(False|false|None|0)\b)"
 # An async run of the two that print `Continuous async rollout worker started`: miles (`--async`, `async_rollout`) and
 # slime (train_async.py, fully_async). Another framework's async mode ("OpenRLHF async training") does not print it.
-_ASYNC = rf"(--async\b|train_async|fully_async|async[_-]rollout|rollout[_-]async){_OFF}"
+# A config key that is off (miles' own `async_rollout=False`) says the run is *not* async.
+_ASYNC = rf"(--async\b|train_async|fully_async|async[_-]rollout|rollout[_-]async){NOT_OFF}"
 _DEBUG_ONE_SIDE = r"debug[_-]rollout[_-]only=(True|true)|debug[_-]train[_-]only=(True|true)|--debug-rollout-only|" \
                   r"--debug-train-only|load[_-]debug[_-]rollout[_-]data=[^N\s]"
 
