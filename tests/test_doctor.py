@@ -92,6 +92,25 @@ def test_an_illegal_memory_access_names_an_engines_oom_only_where_an_engine_is(c
     assert (f["id"], f["culprit_id"]) == ("illegal_memory_access", "oom_disguised"), f
 
 
+
+def test_an_api_missing_between_versioned_packages_names_the_version_pair(capsys, tmp_path):
+    """`cannot import name` / `unexpected keyword argument` raised between packages, in a report giving their
+    versions, names incompatible versions, with the versions read; the same error without versions (as often a
+    user's own code) and a package not installed (`No module named`) do not."""
+    report = tmp_path / "report.md"
+    report.write_text("GRPO run fails at import after upgrading. TRL 0.25.0, vLLM 0.12.0, torch 2.9.0.\n\n```\n"
+                      "Traceback (most recent call last):\n  File \"train.py\", line 3, in <module>\n"
+                      "ImportError: cannot import name 'GuidedDecodingParams' from 'vllm.sampling_params'\n```\n")
+    f = symptoms(findings(capsys, report)[1])[0]
+    assert (f["id"], f["culprit_id"]) == ("api_mismatch", "version_incompat"), f
+    assert "vllm 0.12.0" in f["symptom"] and "GuidedDecodingParams" in f["evidence"][0]["text"], f
+    report.write_text("Building the trainer fails:\n\n```\nTypeError: GRPOTrainer.__init__() got an unexpected "
+                      "keyword argument 'reward_function'\n```\n")
+    assert "api_mismatch" not in [f["id"] for f in findings(capsys, report)[1]["findings"]]
+    report.write_text("slime 0.2.1 with torch 2.7.1 fails at start:\n\n```\nModuleNotFoundError: No module named "
+                      "'mbridge'\n```\n")
+    assert "api_mismatch" not in [f["id"] for f in findings(capsys, report)[1]["findings"]]
+
 def test_nan_gradients_after_nan_rewards_name_the_reward(capsys, tmp_path):
     """NaN gradients downstream of NaN rewards or advantages: the reward is named first, not the chat template (the
     guide's row for NaN gradients), from a run's metrics and from a pasted report's words; a NaN elsewhere on a

@@ -85,6 +85,8 @@ def test_facts_of_a_pasted_issue_and_a_pip_freeze():
     assert not read_facts(FREEZE.splitlines()[0]).pip_freeze
     prose = read_facts("Using verl 0.4 with vllm 0.8.5. Also torch 2.5.1+cu121, sglang 0.4.6.post1.")
     assert prose.versions == {"verl": "0.4", "vllm": "0.8.5", "torch": "2.5.1+cu121", "sglang": "0.4.6.post1"}
+    kernels = read_facts("after upgrading Liger-Kernel 0.6.3 (flashinfer-python==0.2.5, xformers 0.0.29.post3)")
+    assert kernels.versions == {"liger-kernel": "0.6.3", "flashinfer": "0.2.5", "xformers": "0.0.29.post3"}
 
 
 def test_a_pasted_issue_gets_the_culprit_its_evidence_and_known_cases(capsys, tmp_path):

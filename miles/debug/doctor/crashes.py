@@ -97,6 +97,36 @@ def inductor_cache(c: Corpus) -> list[Finding]:
     return []
 
 
+
+# An API that is not there: a name one package imports from another, an attribute or keyword argument that
+# one version has and another does not, a compiled extension built against another torch (`undefined symbol`).
+# Not `No module named` (a package not installed: an install question, not a version pair).
+_API_MISMATCH = (r"cannot import name ['\"]?\w+|module ['\"][\w.]+['\"] has no attribute|object has no attribute "
+                 r"['\"]\w+|got an unexpected keyword argument|undefined symbol")
+
+
+@rule
+def api_mismatch(c: Corpus) -> list[Finding]:
+    """An API missing between two packages, in a report that gives their versions: the maintainers' first answer
+    is the version pair. Without versions the same errors are as often a user's own code (a keyword the class
+    never took, a local directory shadowing the package), so the rule stays silent."""
+    from miles.debug.doctor.facts import read_facts
+
+    hits = c.grep(_API_MISMATCH)
+    if not hits:
+        return []
+    versions = read_facts("\n".join(log.text for log in c.logs)).versions
+    if not versions:
+        return []
+    pinned = ", ".join(f"{k} {v}" for k, v in versions.items())
+    return [Finding("api_mismatch", "an API missing between installed packages (" + pinned + ")", 0.6,
+                    [line_ev(log, i) for log, i in hits[:2]],
+                    "incompatible library versions: one package calls a name, attribute or argument that the "
+                    "installed version of another does not have",
+                    "install the versions the framework lists as tested together (its requirements or docs); "
+                    "compare `pip freeze` against them, and rebuild compiled extensions (flash-attn) for this torch",
+                    kb="version_incompat")]
+
 _NCCL_TIMEOUT = (r"Watchdog caught collective operation timeout|NCCL [Tt]imeout|milliseconds before timing out|"
                  r"Some NCCL operations have failed or timed out|NCCL communicator was aborted|"
                  r"NCCL WARN .*(?:[Tt]imeout|timed out)")

@@ -24,8 +24,10 @@ FRAMEWORKS = {
 # Packages whose versions decide most incompatibilities; `pip freeze` lines, `name==x`, `name version: x`.
 PACKAGES = ("torch", "pytorch", "transformers", "vllm", "sglang", "megatron-core", "megatron-lm", "megatron",
             "transformer-engine", "flash-attn", "deepspeed", "ray", "trl", "verl", "slime", "miles", "openrlhf",
-            "accelerate", "peft", "cuda", "nccl", "triton")
-_SAME = {"pytorch": "torch", "megatron-lm": "megatron-core", "megatron": "megatron-core"}
+            "accelerate", "peft", "cuda", "nccl", "triton", "liger-kernel", "flashinfer-python",
+            "flashinfer", "xformers")
+_SAME = {"pytorch": "torch", "megatron-lm": "megatron-core", "megatron": "megatron-core",
+         "flashinfer-python": "flashinfer"}
 # `name==1.2.3` (pip freeze), `name 1.2.3`, `name version: 1.2.3`, and `name version: <commit>` (a git checkout).
 _VERSION = re.compile(r"(?i)(?<![\w-])(" + "|".join(re.escape(p).replace(r"\-", "[-_ ]?") for p in PACKAGES)
                       + r")(?:(?:[-_ ]?version\s*[:=]\s*(?P<commit>[0-9a-f]{7,40})\b)"
