@@ -104,6 +104,9 @@ def test_an_api_missing_between_versioned_packages_names_the_version_pair(capsys
     f = symptoms(findings(capsys, report)[1])[0]
     assert (f["id"], f["culprit_id"]) == ("api_mismatch", "version_incompat"), f
     assert "vllm 0.12.0" in f["symptom"] and "GuidedDecodingParams" in f["evidence"][0]["text"], f
+    report.write_text("verl 0.7.0 with vllm 0.12.0: starting training, vllm_rollout.py can not import "
+                      "ExecuteModelRequest from vllm.sequence.\n")  # in the reporter's words
+    assert symptoms(findings(capsys, report)[1])[0]["id"] == "api_mismatch"
     report.write_text("Building the trainer fails:\n\n```\nTypeError: GRPOTrainer.__init__() got an unexpected "
                       "keyword argument 'reward_function'\n```\n")
     assert "api_mismatch" not in [f["id"] for f in findings(capsys, report)[1]["findings"]]

@@ -101,8 +101,8 @@ def inductor_cache(c: Corpus) -> list[Finding]:
 # An API that is not there: a name one package imports from another, an attribute or keyword argument that
 # one version has and another does not, a compiled extension built against another torch (`undefined symbol`).
 # Not `No module named` (a package not installed: an install question, not a version pair).
-_API_MISMATCH = (r"cannot import name ['\"]?\w+|module ['\"][\w.]+['\"] has no attribute|object has no attribute "
-                 r"['\"]\w+|got an unexpected keyword argument|undefined symbol")
+_API_MISMATCH = (r"(?i:can ?not import) (?:name )?['\"`]?\w+|module ['\"][\w.]+['\"] has no attribute|"
+                 r"object has no attribute ['\"]\w+|got an unexpected keyword argument|undefined symbol")
 
 
 @rule
