@@ -14,6 +14,10 @@ from miles.cli.main import main
 QWEN_0_5B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                  intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True,
                  rope_theta=1000000.0, rms_norm_eps=1e-6)
+# Its dimensions by the names the kernel benchmarks use.
+HIDDEN, FFN, VOCAB = QWEN_0_5B["hidden_size"], QWEN_0_5B["intermediate_size"], QWEN_0_5B["vocab_size"]
+HEADS, KV_HEADS = QWEN_0_5B["num_attention_heads"], QWEN_0_5B["num_key_value_heads"]
+HEAD_DIM = HIDDEN // HEADS
 
 
 def train(argv: list[str]) -> list[dict]:

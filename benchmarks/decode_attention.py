@@ -22,12 +22,11 @@ import statistics
 
 import torch
 import torch.nn.functional as F
-from common import copy_bandwidth, gpu_times
+from common import HEAD_DIM, HEADS, KV_HEADS, copy_bandwidth, gpu_times
 
 from miles.rollout.local.decode_attention import KEYS, decode_attention, rope_and_attend
 from miles.rollout.local.decode_fused import rope_and_cache
 
-HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64
 LENGTH_STEP = 128  # the runner's width buckets
 
 

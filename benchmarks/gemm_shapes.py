@@ -17,10 +17,8 @@ import statistics
 
 import torch
 import torch.nn.functional as F
-from common import QWEN_0_5B, copy_bandwidth, graph_times, matmul_flops
+from common import FFN, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, VOCAB, copy_bandwidth, graph_times, matmul_flops
 
-HIDDEN, HEADS, KV_HEADS = QWEN_0_5B["hidden_size"], QWEN_0_5B["num_attention_heads"], QWEN_0_5B["num_key_value_heads"]
-HEAD_DIM, FFN, VOCAB = HIDDEN // HEADS, QWEN_0_5B["intermediate_size"], QWEN_0_5B["vocab_size"]
 SHAPES = {  # name: (out features N, in features K, bias)
     "qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN, True),
     "o_proj": (HIDDEN, HEADS * HEAD_DIM, False),

@@ -18,11 +18,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import FFN, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, VOCAB  # noqa: E402
+
 from miles.rollout.sampling import _plain_sample  # noqa: E402
 from miles.utils import invariant  # noqa: E402
 from miles.utils.varlen import packed_causal_attention  # noqa: E402
-
-HIDDEN, FFN, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 896, 4864, 151936, 14, 2, 64
 
 
 def timed(fn, repeats: int) -> list[float]:

@@ -19,12 +19,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import gpu_times  # noqa: E402
+from common import FFN, HEAD_DIM, HIDDEN, KV_HEADS, VOCAB, gpu_times  # noqa: E402
 
 from miles.utils import invariant  # noqa: E402
 from miles.utils.invariant import Tiles  # noqa: E402
 
-HIDDEN, FFN, VOCAB, KV = 896, 4864, 151936, 128
+KV = KV_HEADS * HEAD_DIM  # the width of k (and of v)
 CANDIDATES = {
     "128x128x64 w8": Tiles(128, 128, 64, 8, 3),
     "64x64x64 w4": Tiles(64, 64, 64, 4, 4),
