@@ -114,6 +114,22 @@ def test_an_api_missing_between_versioned_packages_names_the_version_pair(capsys
                       "'mbridge'\n```\n")
     assert "api_mismatch" not in [f["id"] for f in findings(capsys, report)[1]["findings"]]
 
+
+def test_nan_gradients_after_weights_newly_initialized_name_the_load(capsys, tmp_path):
+    """NaN gradients after transformers' warning that the checkpoint lacked weights (newly initialized): the
+    parameters not loaded are named, not the chat template (the guide's row, still named without the warning)."""
+    report = tmp_path / "report.md"
+    train = "```\n{'loss': 0.0, 'grad_norm': nan, 'learning_rate': 6e-06, 'epoch': 0.01}\n```\n"
+    report.write_text("Loaded my merged model to continue training:\n\n```\nSome weights of Gemma2ForCausalLM were "
+                      "not initialized from the model checkpoint at ./merged and are newly initialized: "
+                      "['lm_head.weight']\n```\n" + train)
+    f = symptoms(findings(capsys, report)[1])[0]
+    assert (f["id"], f["culprit_id"]) == ("nan_grad", "params_not_loaded"), f
+    assert "newly initialized" in f["evidence"][0]["text"]
+    report.write_text("Training a merged model:\n\n" + train)
+    f = symptoms(findings(capsys, report)[1])[0]
+    assert (f["id"], f["culprit_id"]) == ("nan_grad", "chat_template"), f
+
 def test_nan_gradients_after_nan_rewards_name_the_reward(capsys, tmp_path):
     """NaN gradients downstream of NaN rewards or advantages: the reward is named first, not the chat template (the
     guide's row for NaN gradients), from a run's metrics and from a pasted report's words; a NaN elsewhere on a

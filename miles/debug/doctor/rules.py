@@ -371,6 +371,10 @@ def routing_mismatch(c: Corpus) -> list[Finding]:
                     "--use-rollout-routing-replay (R3: replay the engine's expert choices in training)")]
 
 
+# transformers' warning when a checkpoint lacks weights the model has.
+_NEWLY_INITIALIZED = r"were not initialized from the model checkpoint|newly initialized: \["
+
+
 @rule
 def nan_gradients(c: Corpus) -> list[Finding]:
     evidence = []
@@ -387,6 +391,16 @@ def nan_gradients(c: Corpus) -> list[Finding]:
     if upstream:  # non-finite rewards or advantages make the loss and its gradients non-finite: they are the cause
         return [Finding("nan_grad", "NaN/Inf gradients after non-finite rewards or advantages", 0.9,
                         upstream[:2] + evidence[:1], NONFINITE_REWARD_CULPRIT, NONFINITE_REWARD_FIX, kb="reward_bug")]
+    fresh = c.grep(_NEWLY_INITIALIZED)
+    if fresh:  # weights the checkpoint did not hold: what they start from, not the template, makes the NaN
+        return [Finding("nan_grad", "NaN/Inf gradients after weights were newly initialized at load", 0.9,
+                        [line_ev(*fresh[0])] + evidence[:1],
+                        "parameters not loaded: the checkpoint did not hold these weights (a merge or save that "
+                        "dropped or renamed them, a model class that does not match it), so they start from fresh, "
+                        "on some loading paths uninitialized, memory",
+                        "check the checkpoint's keys against the model's (the load warning lists them); re-save or "
+                        "re-merge the checkpoint, or load it with the model class it was saved from",
+                        kb="params_not_loaded")]
     fp8 = c.hints(r"fp8")
     culprit = ("activation overflow in FP8, or a bad chat template" if fp8 else
                "a bad chat template (garbage prompts give extreme log-probs), or activation overflow in low precision")
