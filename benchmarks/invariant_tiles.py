@@ -75,9 +75,13 @@ def main() -> None:
     ap.add_argument("--trainer-rows", type=int, default=8 * 384)
     ap.add_argument("--candidates", default=",".join(CANDIDATES), help="comma-separated names of CANDIDATES")
     args = ap.parse_args()
+    names = args.candidates.split(",")
+    unknown = [n for n in names if n not in CANDIDATES]
+    if unknown:
+        ap.error(f"--candidates: no candidate named {', '.join(map(repr, unknown))}; the names: "
+                 + ", ".join(CANDIDATES))
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
-    names = args.candidates.split(",")
     g = torch.Generator(device="cuda").manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; us a call on the GPU, median of "
           f"{args.repeats} graph replays of {args.calls} calls; in brackets the ratio to cuBLAS")
