@@ -130,6 +130,25 @@ def test_nan_gradients_after_weights_newly_initialized_name_the_load(capsys, tmp
     f = symptoms(findings(capsys, report)[1])[0]
     assert (f["id"], f["culprit_id"]) == ("nan_grad", "chat_template"), f
 
+
+@pytest.mark.parametrize("error,fid,culprit", [
+    ("ValueError: The global train batch size (7 x 1) must be evenly divisible by the number of generations per "
+     "prompt (8).", "batch_not_divisible", "loss_aggregation_config"),
+    ("AssertionError: only support equal chunk. Got size of DataProto 2 and chunk 4.", "batch_not_divisible",
+     "loss_aggregation_config"),
+    ("ValueError: Cannot use chat template functions because tokenizer.chat_template is not set and no template "
+     "argument was passed!", "no_chat_template", "chat_template"),
+    ("AssertionError: output_partition_size=48 not divisible by block_n=128", None, None),  # a shard's, not a batch
+], ids=["global batch", "equal chunk", "no template", "shard not divisible"])
+def test_an_error_text_that_names_its_culprit(capsys, tmp_path, error, fid, culprit):
+    """Error texts that name their culprit alone (crashes._SIGNATURES): batch sizes that do not divide are the batch
+    arithmetic (the loss-aggregation culprit), a tokenizer with no template the chat template."""
+    report = tmp_path / "report.md"
+    report.write_text(f"Training fails at start:\n\n```\n{error}\n```\n")
+    named = [(f["id"], f["culprit_id"]) for f in findings(capsys, report)[1]["findings"]
+             if f["id"] in {"batch_not_divisible", "no_chat_template"}]
+    assert named == ([(fid, culprit)] if fid else []), named
+
 def test_nan_gradients_after_nan_rewards_name_the_reward(capsys, tmp_path):
     """NaN gradients downstream of NaN rewards or advantages: the reward is named first, not the chat template (the
     guide's row for NaN gradients), from a run's metrics and from a pasted report's words; a NaN elsewhere on a

@@ -127,6 +127,27 @@ def api_mismatch(c: Corpus) -> list[Finding]:
                     "compare `pip freeze` against them, and rebuild compiled extensions (flash-attn) for this torch",
                     kb="version_incompat")]
 
+
+# Error texts that name their culprit alone: (finding id, pattern, symptom, culprit, fix, culprit id).
+_SIGNATURES = [
+    ("batch_not_divisible", r"(?i)(?:batch|generations|micro|mini)[^.\n]{0,80}divisible|only support equal chunk",
+     "batch sizes that do not divide", "the batch arithmetic: the global batch (processes x per-device batch x "
+     "accumulation steps) is not a multiple of the group size (samples per prompt) or of the data-parallel chunks",
+     "make the global batch a multiple of the samples per prompt and of the data-parallel size (and the mini-batch of "
+     "the micro-batch); check what the per-rank normalisation leaves", "loss_aggregation_config"),
+    ("no_chat_template", r"chat_template is not set|does not have a chat template|no chat template",
+     "the tokenizer has no chat template", "a chat request or --apply-chat-template on a tokenizer without a template "
+     "(a base model's, or one saved without it)",
+     "use the instruct model's tokenizer, or give the tokenizer a template (the engine's chat-template option); "
+     "`miles verify-chat-template --model DIR` checks it", "chat_template"),
+]
+
+
+@rule
+def error_signatures(c: Corpus) -> list[Finding]:
+    return [Finding(fid, symptom, 0.6, [line_ev(log, i) for log, i in hits[:2]], culprit, fix, kb=kb)
+            for fid, pattern, symptom, culprit, fix, kb in _SIGNATURES if (hits := c.grep(pattern))]
+
 _NCCL_TIMEOUT = (r"Watchdog caught collective operation timeout|NCCL [Tt]imeout|milliseconds before timing out|"
                  r"Some NCCL operations have failed or timed out|NCCL communicator was aborted|"
                  r"NCCL WARN .*(?:[Tt]imeout|timed out)")
