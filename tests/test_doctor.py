@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from miles.cli.main import main
+from miles.debug.doctor.crashes import SIGNATURES
 
 FIX = Path(__file__).parent / "fixtures" / "doctor"
 
@@ -139,14 +140,28 @@ def test_nan_gradients_after_weights_newly_initialized_name_the_load(capsys, tmp
     ("ValueError: Cannot use chat template functions because tokenizer.chat_template is not set and no template "
      "argument was passed!", "no_chat_template", "chat_template"),
     ("AssertionError: output_partition_size=48 not divisible by block_n=128", None, None),  # a shard's, not a batch
-], ids=["global batch", "equal chunk", "no template", "shard not divisible"])
+    ("openai.BadRequestError: This model's maximum context length is 4096 tokens. However, you requested 5120 tokens",
+     "over_max_length", "max_length_truncation"),
+    ("AssertionError: hf_validate_args failed: rope_theta in hf config 10000000 is not equal to rotary_base 1000000",
+     "rope_config_mismatch", "engine_trainer_kernel_mismatch"),
+    ("KeyError: 'mtp.layers.0.mlp.experts.gate_up_proj'", "param_name_missing", "param_mapping"),
+    ("KeyError: 'reward'", None, None),  # a key, not a parameter's name
+    ("RuntimeError: Error(s) in loading state_dict for LlamaForCausalLM: size mismatch for model.embed_tokens.weight: "
+     "copying a param with shape torch.Size([128260, 4096]) from checkpoint", "vocab_size_mismatch",
+     "tokenizer_mismatch"),
+    ("FileNotFoundError: [Errno 2] No such file or directory: '/root/.triton/cache/ab12/_fwd.ttir.tmp.pid_3188_1'",
+     "compile_cache_race", "inductor_cache"),
+], ids=["global batch", "equal chunk", "no template", "shard not divisible", "context length", "rope", "param key",
+        "other key", "embed size", "cache tmp"])
 def test_an_error_text_that_names_its_culprit(capsys, tmp_path, error, fid, culprit):
-    """Error texts that name their culprit alone (crashes._SIGNATURES): batch sizes that do not divide are the batch
-    arithmetic (the loss-aggregation culprit), a tokenizer with no template the chat template."""
+    """Error texts that name their culprit alone (crashes.SIGNATURES): batch sizes that do not divide are the batch
+    arithmetic (the loss-aggregation culprit), a tokenizer with no template the chat template, a sequence over a
+    length limit the limits, differing RoPE settings the engine/trainer mismatch, a parameter's name missing in a
+    mapping the mapping, an embedding's size the vocabulary, a compile cache's vanished temporary file the cache."""
     report = tmp_path / "report.md"
     report.write_text(f"Training fails at start:\n\n```\n{error}\n```\n")
     named = [(f["id"], f["culprit_id"]) for f in findings(capsys, report)[1]["findings"]
-             if f["id"] in {"batch_not_divisible", "no_chat_template"}]
+             if f["id"] in {sig[0] for sig in SIGNATURES}]
     assert named == ([(fid, culprit)] if fid else []), named
 
 def test_nan_gradients_after_nan_rewards_name_the_reward(capsys, tmp_path):

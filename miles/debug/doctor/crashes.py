@@ -129,7 +129,7 @@ def api_mismatch(c: Corpus) -> list[Finding]:
 
 
 # Error texts that name their culprit alone: (finding id, pattern, symptom, culprit, fix, culprit id).
-_SIGNATURES = [
+SIGNATURES = [
     ("batch_not_divisible", r"(?i)(?:batch|generations|micro|mini)[^.\n]{0,80}divisible|only support equal chunk",
      "batch sizes that do not divide", "the batch arithmetic: the global batch (processes x per-device batch x "
      "accumulation steps) is not a multiple of the group size (samples per prompt) or of the data-parallel chunks",
@@ -140,13 +140,38 @@ _SIGNATURES = [
      "(a base model's, or one saved without it)",
      "use the instruct model's tokenizer, or give the tokenizer a template (the engine's chat-template option); "
      "`miles verify-chat-template --model DIR` checks it", "chat_template"),
+    ("over_max_length", r"maximum context length is \d+|is larger than (?:the )?max_length|exceeds? (?:the )?"
+     r"max_model_len|longer than the maximum", "a sequence longer than a configured maximum length",
+     "the length limits do not fit the data: prompt + response longer than the engine's max model length or the "
+     "trainer's max length (a prompt filter off, or measuring in other units)",
+     "raise the limit to cover prompt + response (--rollout-max-prompt-len + --rollout-max-response-len), or filter "
+     "or truncate the long prompts before they reach it", "max_length_truncation"),
+    ("rope_config_mismatch", r"(?:rope_theta|rotary_base|rope_scaling)[^\n]{0,80}(?:not equal|mismatch|differ|!=)",
+     "RoPE settings that differ between two configs", "the rotary base or scaling differ between the checkpoint's "
+     "config and the trainer's or engine's arguments: the two sides compute different positions",
+     "take rope_theta and rope_scaling from the checkpoint's config.json on both sides",
+     "engine_trainer_kernel_mismatch"),
+    ("param_name_missing", r"KeyError: '[\w.]+\.(?:weight|bias|\w*proj)'", "a parameter name not found while "
+     "mapping weights", "the weight-name mapping between checkpoint, trainer and engine lacks this parameter (a new "
+     "layer type such as MTP or fused experts, a renamed module)",
+     "add the parameter to the converter's or bridge's name mapping, or use a version that knows this model",
+     "param_mapping"),
+    ("vocab_size_mismatch", r"size mismatch for [\w.]*(?:embed_tokens|lm_head|wte|word_embeddings)",
+     "the embedding's size differs between checkpoint and model", "a vocabulary size mismatch: tokens added to the "
+     "tokenizer (or another tokenizer) and the embeddings resized on one side only",
+     "resize the token embeddings to len(tokenizer) on both sides; load the tokenizer saved with the checkpoint",
+     "tokenizer_mismatch"),
+    ("compile_cache_race", r"\.tmp\.pid_", "a compile cache's temporary file gone mid-write",
+     "a Triton/inductor compile cache shared by concurrent processes: one removes or renames another's temporary file",
+     "a cache directory per process or node (TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR), or "
+     "TORCHINDUCTOR_FORCE_DISABLE_CACHES=1", "inductor_cache"),
 ]
 
 
 @rule
 def error_signatures(c: Corpus) -> list[Finding]:
     return [Finding(fid, symptom, 0.6, [line_ev(log, i) for log, i in hits[:2]], culprit, fix, kb=kb)
-            for fid, pattern, symptom, culprit, fix, kb in _SIGNATURES if (hits := c.grep(pattern))]
+            for fid, pattern, symptom, culprit, fix, kb in SIGNATURES if (hits := c.grep(pattern))]
 
 _NCCL_TIMEOUT = (r"Watchdog caught collective operation timeout|NCCL [Tt]imeout|milliseconds before timing out|"
                  r"Some NCCL operations have failed or timed out|NCCL communicator was aborted|"
