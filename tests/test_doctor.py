@@ -151,13 +151,16 @@ def test_nan_gradients_after_weights_newly_initialized_name_the_load(capsys, tmp
      "tokenizer_mismatch"),
     ("FileNotFoundError: [Errno 2] No such file or directory: '/root/.triton/cache/ab12/_fwd.ttir.tmp.pid_3188_1'",
      "compile_cache_race", "inductor_cache"),
+    ("ValueError: Tokenizer class TokenizersBackend does not exist or is not currently imported.",
+     "tokenizer_class_unknown", "version_incompat"),
 ], ids=["global batch", "equal chunk", "no template", "shard not divisible", "context length", "rope", "param key",
-        "other key", "embed size", "cache tmp"])
+        "other key", "embed size", "cache tmp", "tokenizer class"])
 def test_an_error_text_that_names_its_culprit(capsys, tmp_path, error, fid, culprit):
     """Error texts that name their culprit alone (crashes.SIGNATURES): batch sizes that do not divide are the batch
     arithmetic (the loss-aggregation culprit), a tokenizer with no template the chat template, a sequence over a
     length limit the limits, differing RoPE settings the engine/trainer mismatch, a parameter's name missing in a
-    mapping the mapping, an embedding's size the vocabulary, a compile cache's vanished temporary file the cache."""
+    mapping the mapping, an embedding's size the vocabulary, a compile cache's vanished temporary file the cache, a
+    tokenizer class the installed transformers lacks the versions."""
     report = tmp_path / "report.md"
     report.write_text(f"Training fails at start:\n\n```\n{error}\n```\n")
     named = [(f["id"], f["culprit_id"]) for f in findings(capsys, report)[1]["findings"]

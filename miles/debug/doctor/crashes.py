@@ -165,6 +165,11 @@ SIGNATURES = [
      "a Triton/inductor compile cache shared by concurrent processes: one removes or renames another's temporary file",
      "a cache directory per process or node (TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR), or "
      "TORCHINDUCTOR_FORCE_DISABLE_CACHES=1", "inductor_cache"),
+    ("tokenizer_class_unknown", r"Tokenizer class \w+ does not exist or is not currently imported",
+     "the tokenizer's config names a class this transformers does not have", "incompatible library versions: the "
+     "tokenizer was saved by a newer transformers (its tokenizer_config.json names a class added since)",
+     "upgrade transformers to the version the model card names (or the one that saved it), or set the config's "
+     "tokenizer_class to one this version has", "version_incompat"),
 ]
 
 
