@@ -1,4 +1,5 @@
-"""Rules whose signature is an error text: CUDA, SGLang, NCCL, Ray, torch inductor.
+"""Rules whose signature is an error text: CUDA, SGLang, NCCL, Ray, torch inductor, and the errors that name their
+culprit alone (an API missing between versioned packages, batch sizes that do not divide, a length limit, ...).
 
 A crash prints many errors; the useful one is usually the first (a worker's OOM, reported later as
 `RaySystemError` by the driver and as an NCCL abort by its peers). `first_error` finds it across files,
@@ -97,7 +98,6 @@ def inductor_cache(c: Corpus) -> list[Finding]:
     return []
 
 
-
 # An API that is not there: a name one package imports from another, an attribute or keyword argument that
 # one version has and another does not, a compiled extension built against another torch (`undefined symbol`).
 # Not `No module named` (a package not installed: an install question, not a version pair).
@@ -175,8 +175,10 @@ SIGNATURES = [
 
 @rule
 def error_signatures(c: Corpus) -> list[Finding]:
+    """A finding for each of SIGNATURES whose pattern a log line matches, its first two lines as evidence."""
     return [Finding(fid, symptom, 0.6, [line_ev(log, i) for log, i in hits[:2]], culprit, fix, kb=kb)
             for fid, pattern, symptom, culprit, fix, kb in SIGNATURES if (hits := c.grep(pattern))]
+
 
 _NCCL_TIMEOUT = (r"Watchdog caught collective operation timeout|NCCL [Tt]imeout|milliseconds before timing out|"
                  r"Some NCCL operations have failed or timed out|NCCL communicator was aborted|"
