@@ -142,6 +142,8 @@ def test_nan_gradients_after_weights_newly_initialized_name_the_load(capsys, tmp
     ("AssertionError: output_partition_size=48 not divisible by block_n=128", None, None),  # a shard's, not a batch
     ("openai.BadRequestError: This model's maximum context length is 4096 tokens. However, you requested 5120 tokens",
      "over_max_length", "max_length_truncation"),
+    ("sglang.srt.utils.BadRequest: The input (5120 tokens) is longer than the model's context length (4096 tokens).",
+     "over_max_length", "max_length_truncation"),
     ("AssertionError: hf_validate_args failed: rope_theta in hf config 10000000 is not equal to rotary_base 1000000",
      "rope_config_mismatch", "engine_trainer_kernel_mismatch"),
     ("KeyError: 'mtp.layers.0.mlp.experts.gate_up_proj'", "param_name_missing", "param_mapping"),
@@ -153,8 +155,8 @@ def test_nan_gradients_after_weights_newly_initialized_name_the_load(capsys, tmp
      "compile_cache_race", "inductor_cache"),
     ("ValueError: Tokenizer class TokenizersBackend does not exist or is not currently imported.",
      "tokenizer_class_unknown", "version_incompat"),
-], ids=["global batch", "equal chunk", "no template", "shard not divisible", "context length", "rope", "param key",
-        "other key", "embed size", "cache tmp", "tokenizer class"])
+], ids=["global batch", "equal chunk", "no template", "shard not divisible", "context length", "sglang length", "rope",
+        "param key", "other key", "embed size", "cache tmp", "tokenizer class"])
 def test_an_error_text_that_names_its_culprit(capsys, tmp_path, error, fid, culprit):
     """Error texts that name their culprit alone (crashes.SIGNATURES): batch sizes that do not divide are the batch
     arithmetic (the loss-aggregation culprit), a tokenizer with no template the chat template, a sequence over a

@@ -140,8 +140,9 @@ SIGNATURES = [
      "(a base model's, or one saved without it)",
      "use the instruct model's tokenizer, or give the tokenizer a template (the engine's chat-template option); "
      "`miles verify-chat-template --model DIR` checks it", "chat_template"),
-    ("over_max_length", r"maximum context length is \d+|is larger than (?:the )?max_length|exceeds? (?:the )?"
-     r"max_model_len|longer than the maximum", "a sequence longer than a configured maximum length",
+    ("over_max_length", r"maximum context length (?:is|of) \d+|longer than the model's context length|is larger than "
+     r"(?:the )?max_length|exceeds? (?:the )?max_model_len|longer than the maximum",  # vLLM's, SGLang's (miles serve's)
+     "a sequence longer than a configured maximum length",
      "the length limits do not fit the data: prompt + response longer than the engine's max model length or the "
      "trainer's max length (a prompt filter off, or measuring in other units)",
      "raise the limit to cover prompt + response (--rollout-max-prompt-len + --rollout-max-response-len), or filter "
