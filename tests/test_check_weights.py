@@ -123,7 +123,6 @@ def test_layer_offset(four_layers, tmp_path, capsys):
     assert "layer offset +1 for layers 0..3" in out and "only in" not in out and "unmatched" not in out
 
 
-
 def test_layer_offset_onto_layers_that_are_also_in_place(four_layers, tmp_path, capsys):
     a = load(four_layers)
     # B's 0..1 are A's 0..1 (in place) and B's 2..3 are A's 0..1 again; A's 2..3 are gone.

@@ -93,7 +93,6 @@ def test_an_illegal_memory_access_names_an_engines_oom_only_where_an_engine_is(c
     assert (f["id"], f["culprit_id"]) == ("illegal_memory_access", "oom_disguised"), f
 
 
-
 def test_an_api_missing_between_versioned_packages_names_the_version_pair(capsys, tmp_path):
     """`cannot import name` / `unexpected keyword argument` raised between packages, in a report giving their
     versions, names incompatible versions, with the versions read; the same error without versions (as often a
@@ -168,6 +167,7 @@ def test_an_error_text_that_names_its_culprit(capsys, tmp_path, error, fid, culp
     named = [(f["id"], f["culprit_id"]) for f in findings(capsys, report)[1]["findings"]
              if f["id"] in {sig[0] for sig in SIGNATURES}]
     assert named == ([(fid, culprit)] if fid else []), named
+
 
 def test_nan_gradients_after_nan_rewards_name_the_reward(capsys, tmp_path):
     """NaN gradients downstream of NaN rewards or advantages: the reward is named first, not the chat template (the
@@ -521,6 +521,7 @@ def test_bundle_has_the_mode_of_any_other_file(capsys, tmp_path):
     assert rc == 0
     modes = {name: stat.S_IMODE((tmp_path / name).stat().st_mode) for name in ("bug.md", "other.md")}
     assert modes == {"bug.md": 0o644, "other.md": 0o644}, {k: oct(v) for k, v in modes.items()}
+
 
 def test_bundle_to_an_unwritable_place_is_a_usage_error(capsys, tmp_path):
     (tmp_path / "file").write_text("x")

@@ -73,6 +73,8 @@ def rows(draw) -> dict:
     row = {"prompt": draw(st.one_of(*[text] * 3, MESSAGES, JSON_VALUES)), "label": draw(text | JSON_VALUES)}
     row |= draw(st.dictionaries(KEYS, text | MESSAGES | JSON_VALUES, max_size=2))
     return row
+
+
 LOAD_ARGS = st.tuples(st.sampled_from(["prompt", "messages"]), st.sampled_from([None, "label"]), st.booleans())
 
 

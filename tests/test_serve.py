@@ -229,7 +229,6 @@ def test_running_batch_merge_step_and_drop_match_each_sequence_alone(engine, kin
     check(logits)
 
 
-
 @settings(max_examples=1500, deadline=None)
 @given(body=st.deferred(lambda: bodies))
 def test_the_parser_takes_any_json_to_sequences_or_a_bad_request(body):

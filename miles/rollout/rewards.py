@@ -52,6 +52,7 @@ logger = logging.getLogger("miles")
 RewardFn = Callable[[Sample], float]
 REWARD_FUNCTIONS: dict[str, RewardFn] = {}
 
+
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     def decorator(fn: RewardFn) -> RewardFn:
         # A second registration under one name would silently change what `--rm-type` means.

@@ -129,7 +129,6 @@ class Trainer:
         return score_rollout(self.model, batch, len(tokens), 1.0, self.autocast,
                              **self.cfg.scoring_layout)[0][0].tolist()
 
-
     def _score(self, model, batch: TrainBatch, counts: list[int] | None = None) -> torch.Tensor:
         """Log-probs of every row: this rank scores its share, the others' are gathered. `counts`
         (the policy's scoring of an MoE rollout with routes): gets this rank's routing mismatch."""

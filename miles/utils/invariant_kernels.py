@@ -33,6 +33,7 @@ def matmul(a, b, bias, c, M, N, K, K_SPLIT, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, 
     tl.store(c + rm[:, None] * s_cm + rn[None, :] * s_cn, acc.to(c.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
+
 @triton.jit
 def split_sum(partials, bias, c, M, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """C = the SPLITS fp32 partials (SPLITS, M, N) added in split order (+ bias, in fp32), rounded once."""
@@ -45,6 +46,7 @@ def split_sum(partials, bias, c, M, N, SPLITS: tl.constexpr, HAS_BIAS: tl.conste
     if HAS_BIAS:
         acc += tl.load(bias + i % N, mask=inside, other=0.0).to(tl.float32)
     tl.store(c + i, acc.to(c.dtype.element_ty), mask=inside)
+
 
 @triton.jit
 def exact_sum(values):
@@ -62,6 +64,7 @@ def exact_sum(values):
     fixed = tl.where(finite, wide * scale, 0.0).to(tl.int64)  # exact products, truncated toward zero
     return tl.where(finite, tl.sum(fixed, axis=0).to(tl.float64) / scale, floating)
 
+
 @triton.jit
 def row_mean(x, out, N, BLOCK: tl.constexpr):
     """The mean of a row, its sum exact (`exact_sum`) and divided once, rounded to fp32 and then to out's dtype."""
@@ -69,6 +72,7 @@ def row_mean(x, out, N, BLOCK: tl.constexpr):
     cols = tl.arange(0, BLOCK)
     values = tl.load(x + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
     tl.store(out + row, (exact_sum(values) / N).to(tl.float32).to(out.dtype.element_ty))
+
 
 @triton.jit
 def softmax_block(m, total, acc, scores, values, IEEE: tl.constexpr):
@@ -83,6 +87,7 @@ def softmax_block(m, total, acc, scores, values, IEEE: tl.constexpr):
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
     return m_new, total, acc
+
 
 @triton.jit
 def attention(q, k, v, o, tile_first, tile_count, tile_position, tile_base, s_qn, s_qh, s_key, s_head, s_on,
@@ -184,6 +189,7 @@ def row_log_z(base, V, temperature, units, unit, CHUNK: tl.constexpr, DIVIDE: tl
         mass += tl.sum(fixed_masses(base, c0 + offs, V, temperature, m, units, DIVIDE), axis=0)
     return m, mass, log_sum_exp(m, mass, unit)
 
+
 @triton.jit
 def token_log_probs(x, s_row, targets, log_probs, log_z, V, temperature, units, unit, CHUNK: tl.constexpr,
                     DIVIDE: tl.constexpr):
@@ -195,6 +201,7 @@ def token_log_probs(x, s_row, targets, log_probs, log_z, V, temperature, units, 
     tl.store(log_probs + row, scaled(base, target, V, temperature, DIVIDE) - z)
     tl.store(log_z + row, z)
 
+
 @triton.jit
 def block_max(logits, s_row, maxes, V, temperature, CHUNK: tl.constexpr, DIVIDE: tl.constexpr):
     """The draw's first pass, one program per (row, block of CHUNK logits): the block's max of logits / temperature,
@@ -203,6 +210,7 @@ def block_max(logits, s_row, maxes, V, temperature, CHUNK: tl.constexpr, DIVIDE:
     at = block * CHUNK + tl.arange(0, CHUNK)
     top = tl.max(raw(logits + row * s_row, at, V), axis=0)
     tl.store(maxes + row * tl.num_programs(1) + block, divided(top, temperature, DIVIDE))
+
 
 @triton.jit
 def block_mass(logits, s_row, maxes, masses, V, temperature, units, CHUNK: tl.constexpr, BLOCKS: tl.constexpr,
@@ -214,6 +222,7 @@ def block_mass(logits, s_row, maxes, masses, V, temperature, units, CHUNK: tl.co
     at = block * CHUNK + tl.arange(0, CHUNK)
     tl.store(masses + row * blocks + block,
              tl.sum(fixed_masses(logits + row * s_row, at, V, temperature, m, units, DIVIDE), axis=0))
+
 
 @triton.jit
 def draw(logits, s_row, maxes, masses, uniforms, tokens, log_probs, V, temperature, units, unit, blocks,
