@@ -110,16 +110,15 @@ def api_mismatch(c: Corpus) -> list[Finding]:
     """An API missing between two packages, in a report that gives their versions: the maintainers' first answer
     is the version pair. Without versions the same errors are as often a user's own code (a keyword the class
     never took, a local directory shadowing the package), so the rule stays silent."""
-    from miles.debug.doctor.facts import read_facts
+    from miles.debug.doctor.facts import read_versions, versions_text
 
     hits = c.grep(_API_MISMATCH)
     if not hits:
         return []
-    versions = read_facts("\n".join(log.text for log in c.logs)).versions
+    versions = read_versions("\n".join(log.text for log in c.logs))
     if not versions:
         return []
-    pinned = ", ".join(f"{k} {v}" for k, v in versions.items())
-    return [Finding("api_mismatch", "an API missing between installed packages (" + pinned + ")", 0.6,
+    return [Finding("api_mismatch", f"an API missing between installed packages ({versions_text(versions)})", 0.6,
                     [line_ev(log, i) for log, i in hits[:2]],
                     "incompatible library versions: one package calls a name, attribute or argument that the "
                     "installed version of another does not have",

@@ -86,7 +86,7 @@ class Facts:
         if self.frameworks:
             out.append("framework: " + ", ".join(self.frameworks))
         if self.versions:
-            out.append("versions: " + ", ".join(f"{k} {v}" for k, v in self.versions.items()))
+            out.append("versions: " + versions_text(self.versions))
         if self.models:
             out.append("model: " + ", ".join(self.models[:3]) + (" (MoE)" if self.moe else ""))
         elif self.moe:
@@ -118,14 +118,25 @@ class Facts:
                 "pip_freeze": self.pip_freeze}
 
 
+def read_versions(text: str) -> dict[str, str]:
+    """Package -> the first version TEXT gives it (PACKAGES, by their canonical names)."""
+    versions: dict[str, str] = {}
+    for m in _VERSION.finditer(text):
+        name = re.sub(r"[_ ]", "-", m.group(1).lower())
+        versions.setdefault(_SAME.get(name, name), m["v"] or f"commit {m['commit']}")
+    return versions
+
+
+def versions_text(versions: dict[str, str]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in versions.items())
+
+
 def read_facts(text: str) -> Facts:
     f = Facts()
     counts = {name: len(re.findall(rx, text, re.IGNORECASE if name != "trl" else 0)) for name, rx in FRAMEWORKS.items()}
     f.frameworks = [n for n, k in sorted(counts.items(), key=lambda kv: (kv[0] not in RL_FRAMEWORKS, -kv[1])) if k]
     f.pip_freeze = len(re.findall(r"(?m)^[A-Za-z0-9][\w.\-]*==\d[\w.+\-]*\s*$", text)) >= 5
-    for m in _VERSION.finditer(text):
-        name = re.sub(r"[_ ]", "-", m.group(1).lower())
-        f.versions.setdefault(_SAME.get(name, name), m["v"] or f"commit {m['commit']}")
+    f.versions = read_versions(text)
     f.flags = [name for name, rx in FLAGS.items() if re.search(rx, text, re.IGNORECASE)]
     f.models = list(dict.fromkeys(m.group(1) for m in _MODEL.finditer(text)))[:5]
     f.moe, f.fp8 = bool(_MOE.search(text)), bool(_FP8.search(text))
