@@ -281,40 +281,6 @@ def test_a_row_moved_down_a_slot_keeps_its_age(tiny_model):
         [o.token_ids for o in outs]
 
 
-def test_a_hidden_check_reads_the_flags_a_step_old_and_changes_no_token(tiny_model, monkeypatch):
-    """With hide_checks (a GPU's default) a check reads the done flags copied before the step queued after them, so
-    the GPU decodes that step while the host checks: 2 slots, 3 requests, 4 steps between checks; the first row is
-    done at step 5, the step after the first check's flags (step 4), so that check does not free its slot; the
-    next one (steps 6-9, flags of step 9, then step 10) does, and the third request joins at step 10 (at step 8 when
-    each check waits for the flags of its last step). Same tokens as a check after every step, no step past the
-    last token."""
-    from miles.rollout.local import batching
-
-    joined = []
-    admit = batching._Call._admit
-    monkeypatch.setattr(batching._Call, "_admit", lambda call: admit(call) or joined.append(
-        [call.step_count for s, r in enumerate(call.owner) if r == 2]))
-    tok = load_tokenizer(tiny_model)
-    model = load_causal_lm(tiny_model, device="cpu", attention_backend="sdpa")
-    engine = LocalEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id)  # rows end at their budgets
-    engine.decoder.max_slots = lambda length: 2
-    steps, decode = [], engine.runner.decode
-    engine.runner.decode = lambda batch, *a: steps.append(batch) or decode(batch, *a)
-    prompts = [tok(t)["input_ids"] for t in ("hello", "one two", "x")]
-    u = torch.rand(3, 30, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    limits = [6, 30, 3]
-    for hide, first in ((False, 8), (True, 10)):
-        engine.decoder.check_every, engine.decoder.hide_checks = 4, hide
-        joined.clear()
-        steps.clear()
-        outs = engine.decode(prompts, sp(30, 1.0, 1.0), u, limits=limits)
-        assert next(j for j in joined if j) == [first], (hide, joined)
-        assert [len(o.token_ids) for o in outs] == limits and len(steps) == 29
-        engine.decoder.check_every, engine.decoder.hide_checks = 1, False
-        assert [o.token_ids for o in engine.decode(prompts, sp(30, 1.0, 1.0), u, limits=limits)] == \
-            [o.token_ids for o in outs]
-
-
 def test_without_graphs_a_decode_step_runs_at_its_live_rows_count(tiny_model):
     """On the CPU (no CUDA graphs to replay) a step computes only the rows still decoding: as rows
     finish, the batch shrinks one by one, not to the next bucket up (with buckets 3 live rows ran as 4)."""
@@ -478,8 +444,6 @@ for module, name, signature, constants in json.loads(sys.argv[1]):
         print("no toolchain:", e)
         sys.exit(3)
     assert compiled.asm["cubin"], name
-    # a dependent launch's kernel waits for the kernel before it (griddepcontrol.wait); a plain one has no wait
-    assert ("griddepcontrol.wait" in compiled.asm["ptx"]) == constants.get("PDL", False), name
 """
 
 
@@ -508,12 +472,11 @@ def test_the_decode_attention_kernels_compile_for_an_h100(dtype):
     }
     kernels = []
     for name, args in names.items():
-        for pdl in (True, False):  # a dependent launch (Hopper) and a plain one
-            constants = dict(D=64, G=16, KEYS=64, IEEE=dtype == "fp32", PDL=pdl)
-            if name == "_rope_and_attend":
-                constants.update(HEADS=14, KV_HEADS=2)
-            signature = {n: types.get(n, "i64" if n.startswith("s_") else ptr) for n in args}
-            kernels.append(("miles.rollout.local.decode_attention", name, signature, constants))
+        constants = dict(D=64, G=16, KEYS=64, IEEE=dtype == "fp32")
+        if name == "_rope_and_attend":
+            constants.update(HEADS=14, KV_HEADS=2)
+        signature = {n: types.get(n, "i64" if n.startswith("s_") else ptr) for n in args}
+        kernels.append(("miles.rollout.local.decode_attention", name, signature, constants))
     compile_for_an_h100(kernels)
 
 
@@ -532,14 +495,12 @@ def test_the_fused_decode_kernels_compile_for_an_h100():
         return {n: types.get(n, "i64" if n.startswith("s_") else "*bf16") for n in args}
 
     module = "miles.rollout.local.decode_fused"
-    pdl = (True, False)  # a dependent launch (Hopper) and a plain one
-    kernels = [(module, "_rms_norm", signature(norm), dict(ADD=add, BLOCK=1024, EXACT_SUM=exact, PDL=p))
-               for add in (True, False) for exact in (True, False) for p in pdl]
+    kernels = [(module, "_rms_norm", signature(norm), dict(ADD=add, BLOCK=1024, EXACT_SUM=exact))
+               for add in (True, False) for exact in (True, False)]
     kernels += [(module, "_rope_and_cache", signature(rope), dict(HEADS=14, KV_HEADS=2, QB=16, KB=2, D=64, SLOTS=packed,
-                                                                  REPEAT=7 if packed else 0, PDL=p))
-                for packed in (True, False) for p in pdl]
-    kernels += [(module, "_silu_and_mul", signature(["x", "out", "F", "s_x", "s_o"]), dict(BLOCK=1024, PDL=p))
-                for p in pdl]
+                                                                  REPEAT=7 if packed else 0))
+                for packed in (True, False)]
+    kernels.append((module, "_silu_and_mul", signature(["x", "out", "F", "s_x", "s_o"]), dict(BLOCK=1024)))
     compile_for_an_h100(kernels)
 
 

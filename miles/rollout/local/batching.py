@@ -10,9 +10,7 @@ graphs; without, at their count).
 
 All per-slot state lives on the device, and a step queues without waiting for it; the host looks
 at it only every `check_every` steps (one sync each: 16 on a GPU, 1 on a CPU). A row finished
-between checks decodes on masked: it writes nothing the results keep. With `hide_checks` (on a GPU)
-a check reads the done flags as they were one step earlier (copied without a wait, then one more
-step queued), so the GPU decodes that step while the host checks instead of waiting for it.
+between checks decodes on masked: it writes nothing the results keep.
 
 Token k of request r is sampled with uniforms[r, k], whatever slot, batch or step it ran in: the
 tokens depend on the request's prompt and stream, and on the other rows only through
@@ -54,7 +52,6 @@ class ContinuousBatcher:
         self.prefill_tokens = prefill_tokens  # packed tokens per prefill forward, at most
         self.device = runner.device
         self.eos = torch.tensor(eos_token_ids, dtype=torch.long, device=self.device)
-        self.hide_checks = self.device.type == "cuda"  # a check reads the flags a step old (module docstring)
         self.step_threads: StepThreads | None = None  # the CPU decode's thread count, kept across calls
 
     def _tuner(self) -> StepThreads | None:
@@ -108,9 +105,6 @@ class _Call:
         self.last = torch.zeros(slots, dtype=torch.long, device=dev)
         self.done = torch.ones(slots, dtype=torch.bool, device=dev)
         self.stopped = torch.zeros(slots, dtype=torch.bool, device=dev)
-        self.seen = torch.ones(slots, dtype=torch.bool, pin_memory=dev.type == "cuda")  # `done` a step before a check
-        self.seen_pending = False  # `seen` holds a snapshot the next check reads (hide_checks)
-        self.seen_at: torch.cuda.Event | None = None  # on a GPU, recorded after the copy into `seen`
         self.waiting = deque(range(n))
         self.owner: list[int | None] = [None] * slots  # host view: the request in each slot
         self.joined = [0] * slots  # host view: the step count when each occupied slot's row was prefilled (its
@@ -133,32 +127,15 @@ class _Call:
             queued = min(self.b.check_every, left) or (0 if queued else 1)
             for i in range(queued):  # the longest row's cached length grows a column a step
                 self._step(occupied, min(longest + i, self.runner.cache.length))
-            if self.b.hide_checks and left > queued:  # a row may draw after these: the check reads the flags as
-                self._snapshot()  # they are now while the GPU decodes one more step
-                self._step(occupied, min(longest + queued, self.runner.cache.length))
 
     # -- the host's checks -------------------------------------------------------------------------
 
-    def _snapshot(self) -> None:
-        """Copies the done flags into `seen` behind the queued steps, without waiting for them."""
-        self.seen.copy_(self.done, non_blocking=True)
-        self.seen_pending = True
-        if self.done.is_cuda:
-            self.seen_at = torch.cuda.Event()
-            self.seen_at.record()
-
     def _harvest(self) -> None:
-        """Frees the slots whose rows are done (one device sync): done now, or when the last `_snapshot` was
-        taken (a row done then is done now: only the host frees or admits a slot, at a check)."""
+        """Frees the slots whose rows are done (one device sync)."""
         occupied = [s for s, r in enumerate(self.owner) if r is not None]
-        if self.seen_pending:
-            if self.seen_at is not None:
-                self.seen_at.synchronize()
-            done, self.seen_pending = self.seen.tolist(), False
-        elif occupied:
-            done = self.done.tolist()
         if not occupied:
             return
+        done = self.done.tolist()
         freed = [s for s in occupied if done[s]]
         if not freed:
             return

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from miles.rollout.local.decode_fused import dependent_launch, rope
+from miles.rollout.local.decode_fused import rope
 from miles.utils.invariant_kernels import softmax_block
 
 KEYS = 64  # cached columns a block
@@ -47,7 +47,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     _decode_attention[(b, kv_heads)](
         q, keys, values, positions, out, q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         out.stride(0), out.stride(1), scale, group, D=d, G=max(16, triton.next_power_of_2(group)), KEYS=block,
-        IEEE=q.dtype == torch.float32, **dependent_launch(q), **launch)
+        IEEE=q.dtype == torch.float32, **launch)
     return out
 
 
@@ -68,8 +68,7 @@ def rope_and_attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos
     _rope_and_attend[(b, kv_heads)](
         qkv, cos, sin, positions, keys, values, out, qkv.stride(0), cos.stride(0), keys.stride(0), keys.stride(1),
         keys.stride(2), out.stride(0), out.stride(1), scale, group, HEADS=heads, KV_HEADS=kv_heads, D=d,
-        G=max(16, triton.next_power_of_2(group)), KEYS=block, IEEE=keys.dtype == torch.float32,
-        **dependent_launch(qkv), **launch)
+        G=max(16, triton.next_power_of_2(group)), KEYS=block, IEEE=keys.dtype == torch.float32, **launch)
     return out
 
 
@@ -106,13 +105,11 @@ def _store_heads(out, slot, head, group, r, rows, d, s_ob, s_oh, acc, total):
 
 @triton.jit
 def _decode_attention(q, keys, values, positions, out, s_qb, s_qh, s_ks, s_kh, s_kl, s_ob, s_oh, scale, group,
-                      D: tl.constexpr, G: tl.constexpr, KEYS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                      D: tl.constexpr, G: tl.constexpr, KEYS: tl.constexpr, IEEE: tl.constexpr):
     slot, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     r = tl.arange(0, G)  # the group's query heads, padded to a tile's G rows
     d = tl.arange(0, D)
     rows = r < group
-    if PDL:  # the queries (and the cache's new column): the kernel before wrote them
-        tl.extra.cuda.gdc_wait()
     query = tl.load(q + slot * s_qb + (head * group + r)[:, None] * s_qh + d[None, :], mask=rows[:, None], other=0.0)
     last = tl.load(positions + slot)  # the slot sees columns 0..last
     base = slot * s_ks + head * s_kh
@@ -123,7 +120,7 @@ def _decode_attention(q, keys, values, positions, out, s_qb, s_qh, s_ks, s_kh, s
 @triton.jit
 def _rope_and_attend(qkv, cos, sin, positions, keys, values, out, s_row, s_pos, s_ks, s_kh, s_kl, s_ob, s_oh, scale,
                      group, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                     KEYS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                     KEYS: tl.constexpr, IEEE: tl.constexpr):
     slot, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     r = tl.arange(0, G)
     d = tl.arange(0, D)
@@ -131,8 +128,6 @@ def _rope_and_attend(qkv, cos, sin, positions, keys, values, out, s_row, s_pos, 
     last = tl.load(positions + slot)  # the new column: earlier ones come from the cache
     c = tl.load(cos + last * s_pos + d).to(tl.float32)
     s = tl.load(sin + last * s_pos + d).to(tl.float32)
-    if PDL:  # qkv: the projection before wrote it
-        tl.extra.cuda.gdc_wait()
     row = qkv + slot * s_row
     query = rope(row, head * group + r, rows, c, s, D).to(keys.dtype.element_ty)
     own_head = head + tl.arange(0, 1)  # the KV head as a tile of one row: key and value (1, D)

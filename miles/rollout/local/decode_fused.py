@@ -24,8 +24,6 @@ heads, H KV heads, D head dim, F the MLP width.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -38,21 +36,6 @@ MLP_BLOCK = 1024  # MLP columns a program
 # `rms_norm` and `rope_and_cache` (their `exact`) compute the bits of the layer functions' ops, which
 # --true-on-policy-mode needs.
 EXACT = dict(enable_fp_fusion=False)
-
-
-@functools.cache
-def _hopper(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def dependent_launch(t: torch.Tensor) -> dict:
-    """Launch options of a kernel reading `t`: on a Hopper GPU or later, programmatic dependent launch (PDL), which
-    lets the GPU start the kernel's programs while the kernel before it on the stream finishes; each program reads
-    what that kernel wrote only after `tl.extra.cuda.gdc_wait()` (its PDL branch), and before it only what older
-    work wrote (positions, cos and sin tables, weights, the KV cache). Elsewhere (older GPUs, Triton's interpreter)
-    a plain launch."""
-    pdl = t.is_cuda and _hopper(t.device)
-    return dict(PDL=True, launch_pdl=True) if pdl else dict(PDL=False)
 
 
 def supported(head_dim: int, hidden: int, exact: bool = False) -> bool:
@@ -77,7 +60,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     _rms_norm[(x.shape[0],)](x, residual if residual is not None else x, weight, out, x.shape[1], x.stride(0),
                              residual.stride(0) if residual is not None else 0, out.stride(0), eps,
                              ADD=residual is not None, BLOCK=max(16, triton.next_power_of_2(x.shape[1])),
-                             EXACT_SUM=exact, **(EXACT if exact else {}), **dependent_launch(x))
+                             EXACT_SUM=exact, **(EXACT if exact else {}))
     return out
 
 
@@ -101,8 +84,7 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
                           k_out, v_out, qkv.stride(0), cos.stride(0), keys.stride(0), keys.stride(1), keys.stride(2),
                           q.stride(0), q.stride(1), k_out.stride(0), HEADS=heads, KV_HEADS=kv_heads,
                           QB=triton.next_power_of_2(heads), KB=triton.next_power_of_2(kv_heads), D=d,
-                          SLOTS=slots is not None, REPEAT=repeat or 0, **(EXACT if exact else {}),
-                          **dependent_launch(qkv))
+                          SLOTS=slots is not None, REPEAT=repeat or 0, **(EXACT if exact else {}))
     return q if repeat is None else (q, k_out, v_out)
 
 
@@ -112,19 +94,16 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     out = torch.empty(n, width, dtype=gate_up.dtype, device=gate_up.device)
     _silu_and_mul[(n, triton.cdiv(width, MLP_BLOCK))](gate_up, out, width, gate_up.stride(0), out.stride(0),
-                                                     BLOCK=MLP_BLOCK, **dependent_launch(gate_up))
+                                                     BLOCK=MLP_BLOCK)
     return out
 
 
 @triton.jit
 def _rms_norm(x, residual, weight, out, N, s_x, s_r, s_o, eps, ADD: tl.constexpr, BLOCK: tl.constexpr,
-              EXACT_SUM: tl.constexpr, PDL: tl.constexpr):
+              EXACT_SUM: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < N
-    w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
-    if PDL:  # x and the residual: the kernels before wrote them
-        tl.extra.cuda.gdc_wait()
     h = tl.load(x + row * s_x + cols, mask=inside, other=0.0)
     if ADD:  # the residual stream's add, rounded to its dtype as torch's add rounds it
         h = (h.to(tl.float32) + tl.load(residual + row * s_r + cols, mask=inside, other=0.0).to(tl.float32))
@@ -137,6 +116,7 @@ def _rms_norm(x, residual, weight, out, N, s_x, s_r, s_o, eps, ADD: tl.constexpr
         mean = tl.sum(h * h, axis=0) / N
     normed = h * tl.math.rsqrt(mean + eps)
     normed = normed.to(x.dtype.element_ty).to(tl.float32)  # HF rounds to the input's dtype before scaling
+    w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
     tl.store(out + row * s_o + cols, (w * normed).to(out.dtype.element_ty), mask=inside)
 
 
@@ -158,8 +138,7 @@ def rope(at, heads, rows, c, s, D: tl.constexpr):
 @triton.jit
 def _rope_and_cache(qkv, cos, sin, positions, slots, q, keys, values, k_out, v_out, s_row, s_pos, s_ks, s_kh, s_kl,
                     s_qn, s_qh, s_on, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, QB: tl.constexpr,
-                    KB: tl.constexpr, D: tl.constexpr, SLOTS: tl.constexpr, REPEAT: tl.constexpr,
-                    PDL: tl.constexpr):
+                    KB: tl.constexpr, D: tl.constexpr, SLOTS: tl.constexpr, REPEAT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + row)
     if SLOTS:
@@ -169,8 +148,6 @@ def _rope_and_cache(qkv, cos, sin, positions, slots, q, keys, values, k_out, v_o
     d = tl.arange(0, D)
     c = tl.load(cos + pos * s_pos + d).to(tl.float32)
     s = tl.load(sin + pos * s_pos + d).to(tl.float32)
-    if PDL:  # qkv: the projection before wrote it
-        tl.extra.cuda.gdc_wait()
     base = qkv + row * s_row
     h = tl.arange(0, QB)
     rows = h < HEADS
@@ -190,9 +167,7 @@ def _rope_and_cache(qkv, cos, sin, positions, slots, q, keys, values, k_out, v_o
 
 
 @triton.jit
-def _silu_and_mul(x, out, F, s_x, s_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
+def _silu_and_mul(x, out, F, s_x, s_o, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < F
