@@ -165,7 +165,7 @@ def test_an_error_text_that_names_its_culprit(capsys, tmp_path, error, fid, culp
     report = tmp_path / "report.md"
     report.write_text(f"Training fails at start:\n\n```\n{error}\n```\n")
     named = [(f["id"], f["culprit_id"]) for f in findings(capsys, report)[1]["findings"]
-             if f["id"] in {sig[0] for sig in SIGNATURES}]
+             if f["id"] in {sig.id for sig in SIGNATURES}]
     assert named == ([(fid, culprit)] if fid else []), named
 
 

@@ -9,6 +9,7 @@ by timestamp where the logs have them.
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 from miles.debug.doctor.findings import Finding
 from miles.debug.doctor.readers import Corpus, LogFile
@@ -127,57 +128,97 @@ def api_mismatch(c: Corpus) -> list[Finding]:
                     kb="version_incompat")]
 
 
-# Error texts that name their culprit alone: (finding id, pattern, symptom, culprit, fix, culprit id).
+class Signature(NamedTuple):
+    """An error text that names its culprit alone: a finding `id` for each input a line of which matches
+    `pattern`."""
+    id: str
+    pattern: str
+    symptom: str
+    culprit: str
+    fix: str
+    kb: str  # the culprit's id
+
+
 SIGNATURES = [
-    ("batch_not_divisible", r"(?i)(?:batch|generations|micro|mini)[^.\n]{0,80}divisible|only support equal chunk",
-     "batch sizes that do not divide", "the batch arithmetic: the global batch (processes x per-device batch x "
-     "accumulation steps) is not a multiple of the group size (samples per prompt) or of the data-parallel chunks",
-     "make the global batch a multiple of the samples per prompt and of the data-parallel size (and the mini-batch of "
-     "the micro-batch); check what the per-rank normalisation leaves", "loss_aggregation_config"),
-    ("no_chat_template", r"chat_template is not set|does not have a chat template|no chat template",
-     "the tokenizer has no chat template", "a chat request or --apply-chat-template on a tokenizer without a template "
-     "(a base model's, or one saved without it)",
-     "use the instruct model's tokenizer, or give the tokenizer a template (the engine's chat-template option); "
-     "`miles verify-chat-template --model DIR` checks it", "chat_template"),
-    ("over_max_length", r"maximum context length (?:is|of) \d+|longer than the model's context length|is larger than "
-     r"(?:the )?max_length|exceeds? (?:the )?max_model_len|longer than the maximum",  # vLLM's, SGLang's (miles serve's)
-     "a sequence longer than a configured maximum length",
-     "the length limits do not fit the data: prompt + response longer than the engine's max model length or the "
-     "trainer's max length (a prompt filter off, or measuring in other units)",
-     "raise the limit to cover prompt + response (--rollout-max-prompt-len + --rollout-max-response-len), or filter "
-     "or truncate the long prompts before they reach it", "max_length_truncation"),
-    ("rope_config_mismatch", r"(?:rope_theta|rotary_base|rope_scaling)[^\n]{0,80}(?:not equal|mismatch|differ|!=)",
-     "RoPE settings that differ between two configs", "the rotary base or scaling differ between the checkpoint's "
-     "config and the trainer's or engine's arguments: the two sides compute different positions",
-     "take rope_theta and rope_scaling from the checkpoint's config.json on both sides",
-     "engine_trainer_kernel_mismatch"),
-    ("param_name_missing", r"KeyError: '[\w.]+\.(?:weight|bias|\w*proj)'", "a parameter name not found while "
-     "mapping weights", "the weight-name mapping between checkpoint, trainer and engine lacks this parameter (a new "
-     "layer type such as MTP or fused experts, a renamed module)",
-     "add the parameter to the converter's or bridge's name mapping, or use a version that knows this model",
-     "param_mapping"),
-    ("vocab_size_mismatch", r"size mismatch for [\w.]*(?:embed_tokens|lm_head|wte|word_embeddings)",
-     "the embedding's size differs between checkpoint and model", "a vocabulary size mismatch: tokens added to the "
-     "tokenizer (or another tokenizer) and the embeddings resized on one side only",
-     "resize the token embeddings to len(tokenizer) on both sides; load the tokenizer saved with the checkpoint",
-     "tokenizer_mismatch"),
-    ("compile_cache_race", r"\.tmp\.pid_", "a compile cache's temporary file gone mid-write",
-     "a Triton/inductor compile cache shared by concurrent processes: one removes or renames another's temporary file",
-     "a cache directory per process or node (TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR), or "
-     "TORCHINDUCTOR_FORCE_DISABLE_CACHES=1", "inductor_cache"),
-    ("tokenizer_class_unknown", r"Tokenizer class \w+ does not exist or is not currently imported",
-     "the tokenizer's config names a class this transformers does not have", "incompatible library versions: the "
-     "tokenizer was saved by a newer transformers (its tokenizer_config.json names a class added since)",
-     "upgrade transformers to the version the model card names (or the one that saved it), or set the config's "
-     "tokenizer_class to one this version has", "version_incompat"),
+    Signature(
+        id="batch_not_divisible",
+        pattern=r"(?i)(?:batch|generations|micro|mini)[^.\n]{0,80}divisible|only support equal chunk",
+        symptom="batch sizes that do not divide",
+        culprit="the batch arithmetic: the global batch (processes x per-device batch x accumulation steps) is not a "
+                "multiple of the group size (samples per prompt) or of the data-parallel chunks",
+        fix="make the global batch a multiple of the samples per prompt and of the data-parallel size (and the "
+            "mini-batch of the micro-batch); check what the per-rank normalisation leaves",
+        kb="loss_aggregation_config"),
+    Signature(
+        id="no_chat_template",
+        pattern=r"chat_template is not set|does not have a chat template|no chat template",
+        symptom="the tokenizer has no chat template",
+        culprit="a chat request or --apply-chat-template on a tokenizer without a template (a base model's, or one "
+                "saved without it)",
+        fix="use the instruct model's tokenizer, or give the tokenizer a template (the engine's chat-template "
+            "option); `miles verify-chat-template --model DIR` checks it",
+        kb="chat_template"),
+    # vLLM's and SGLang's messages (miles serve returns SGLang's)
+    Signature(
+        id="over_max_length",
+        pattern=r"maximum context length (?:is|of) \d+|longer than the model's context length|"
+                r"is larger than (?:the )?max_length|exceeds? (?:the )?max_model_len|longer than the maximum",
+        symptom="a sequence longer than a configured maximum length",
+        culprit="the length limits do not fit the data: prompt + response longer than the engine's max model length "
+                "or the trainer's max length (a prompt filter off, or measuring in other units)",
+        fix="raise the limit to cover prompt + response (--rollout-max-prompt-len + --rollout-max-response-len), or "
+            "filter or truncate the long prompts before they reach it",
+        kb="max_length_truncation"),
+    Signature(
+        id="rope_config_mismatch",
+        pattern=r"(?:rope_theta|rotary_base|rope_scaling)[^\n]{0,80}(?:not equal|mismatch|differ|!=)",
+        symptom="RoPE settings that differ between two configs",
+        culprit="the rotary base or scaling differ between the checkpoint's config and the trainer's or engine's "
+                "arguments: the two sides compute different positions",
+        fix="take rope_theta and rope_scaling from the checkpoint's config.json on both sides",
+        kb="engine_trainer_kernel_mismatch"),
+    Signature(
+        id="param_name_missing",
+        pattern=r"KeyError: '[\w.]+\.(?:weight|bias|\w*proj)'",
+        symptom="a parameter name not found while mapping weights",
+        culprit="the weight-name mapping between checkpoint, trainer and engine lacks this parameter (a new layer "
+                "type such as MTP or fused experts, a renamed module)",
+        fix="add the parameter to the converter's or bridge's name mapping, or use a version that knows this model",
+        kb="param_mapping"),
+    Signature(
+        id="vocab_size_mismatch",
+        pattern=r"size mismatch for [\w.]*(?:embed_tokens|lm_head|wte|word_embeddings)",
+        symptom="the embedding's size differs between checkpoint and model",
+        culprit="a vocabulary size mismatch: tokens added to the tokenizer (or another tokenizer) and the embeddings "
+                "resized on one side only",
+        fix="resize the token embeddings to len(tokenizer) on both sides; load the tokenizer saved with the checkpoint",
+        kb="tokenizer_mismatch"),
+    Signature(
+        id="compile_cache_race",
+        pattern=r"\.tmp\.pid_",
+        symptom="a compile cache's temporary file gone mid-write",
+        culprit="a Triton/inductor compile cache shared by concurrent processes: one removes or renames another's "
+                "temporary file",
+        fix="a cache directory per process or node (TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR), or "
+            "TORCHINDUCTOR_FORCE_DISABLE_CACHES=1",
+        kb="inductor_cache"),
+    Signature(
+        id="tokenizer_class_unknown",
+        pattern=r"Tokenizer class \w+ does not exist or is not currently imported",
+        symptom="the tokenizer's config names a class this transformers does not have",
+        culprit="incompatible library versions: the tokenizer was saved by a newer transformers (its "
+                "tokenizer_config.json names a class added since)",
+        fix="upgrade transformers to the version the model card names (or the one that saved it), or set the config's "
+            "tokenizer_class to one this version has",
+        kb="version_incompat"),
 ]
 
 
 @rule
 def error_signatures(c: Corpus) -> list[Finding]:
     """A finding for each of SIGNATURES whose pattern a log line matches, its first two lines as evidence."""
-    return [Finding(fid, symptom, 0.6, [line_ev(log, i) for log, i in hits[:2]], culprit, fix, kb=kb)
-            for fid, pattern, symptom, culprit, fix, kb in SIGNATURES if (hits := c.grep(pattern))]
+    return [Finding(sig.id, sig.symptom, 0.6, [line_ev(log, i) for log, i in hits[:2]], sig.culprit, sig.fix, kb=sig.kb)
+            for sig in SIGNATURES if (hits := c.grep(sig.pattern))]
 
 
 _NCCL_TIMEOUT = (r"Watchdog caught collective operation timeout|NCCL [Tt]imeout|milliseconds before timing out|"
