@@ -3,10 +3,11 @@ on a GPU: one program per slot and KV head reads the slot's cached keys once, up
 the SDPA call the runner makes without it (g query heads of a KV head as g queries, a (b, 1, 1, Lb) mask over
 the width bucket). Prints the largest difference from SDPA and, on a GPU, the time of a call replayed in a CUDA
 graph (no launch time), per batch, and the bytes of cached keys and values it reads a second against the copy
-bandwidth measured in the run. `--launch BLOCK:WARPS:STAGES ...` times the kernel at other launch settings too
-(columns a block, Triton's num_warps and num_stages; `-` for Triton's default), each checked against SDPA. Then the
-engine's form of it, `rope_and_attend` (the RoPE and the KV-cache write in the same kernel), against decode_fused's
-`rope_and_cache` followed by the kernel (what a step ran before), at each launch setting.
+bandwidth measured in the run. `--launch BLOCK:WARPS:STAGES[:REGS] ...` times the kernel at other launch
+settings too (columns a block, Triton's num_warps, num_stages and maxnreg; `-` for the default), each checked
+against SDPA. Then the engine's form of it, `rope_and_attend` (the RoPE and the KV-cache write in the same
+kernel), against decode_fused's `rope_and_cache` followed by the kernel (what a step ran before), at each launch
+setting.
 
     python benchmarks/decode_attention.py [--batch 32 128 512] [--prompt 128] [--new 256] [--launch 128:4:3 64:8:-]
     TRITON_INTERPRET=1 python benchmarks/decode_attention.py --device cpu --batch 4 --prompt 16 --new 16  # check
@@ -41,9 +42,11 @@ def sdpa_decode(q, keys, values, positions, scale, width):
 
 
 def launch_settings(text: str) -> tuple[int, dict]:
-    """BLOCK:WARPS:STAGES -> (block, Triton's launch options); `-` leaves one at its default."""
-    block, warps, stages = text.split(":")
-    launch = {k: int(v) for k, v in (("num_warps", warps), ("num_stages", stages)) if v != "-"}
+    """BLOCK:WARPS:STAGES[:REGS] -> (block, Triton's launch options); `-` (or REGS left out) leaves one at its
+    default. REGS: the registers a thread may use (Triton's maxnreg; `-` or `none`: no cap, the default)."""
+    block, warps, stages, regs = (text.split(":") + ["-"])[:4]
+    launch = {k: int(v) for k, v in (("num_warps", warps), ("num_stages", stages), ("maxnreg", regs))
+              if v not in ("-", "none")}
     return (KEYS if block == "-" else int(block)), launch
 
 
