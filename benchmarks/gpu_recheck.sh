@@ -29,8 +29,8 @@
 #                   over it; carry .ab) against this tree, alternated (AB_ROUNDS x 2 engine_decode.py runs, ~45 s each
 #                   warm at batch 512; AB_LIMIT (s, default 400) stops it)
 #   attention       benchmarks/decode_attention.py: the decode attention's Triton kernel against SDPA, and at other
-#                   launch settings (ATTENTION_LAUNCH, BLOCK:WARPS:STAGES ...), with the bandwidth it reads at; the
-#                   engine's rope_and_attend against rope_and_cache + the kernel at each (~1 min)
+#                   launch settings (ATTENTION_LAUNCH, BLOCK:WARPS:STAGES[:REGS] ...), with the bandwidth it reads
+#                   at; the engine's rope_and_attend against rope_and_cache + the kernel at each (~1 min)
 set -uo pipefail
 start=$SECONDS
 out=${OUT:-/tmp}
