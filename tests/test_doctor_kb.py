@@ -203,6 +203,22 @@ def test_the_classifier_learns_a_culprit_from_its_cases_causes_too():
     assert index.match("our zentrix spindle keeps snapping").ranked_culprits()[0] == "reward_bug"
 
 
+def test_the_same_base_gives_the_same_classifiers_whatever_the_random_state():
+    """liblinear's solver visits the documents in a random order; the doctor seeds it, so a base gives the same
+    weights in every process (numpy's global state, which an unseeded solver draws from, differs between them)."""
+    import numpy as np
+
+    from miles.debug.doctor.retrieval import CaseIndex
+
+    base = [*cases()[:80], *distractors()[:40]]
+    np.random.seed(1)
+    one = CaseIndex(base)
+    np.random.seed(2)
+    two = CaseIndex(base)
+    assert np.array_equal(one.classifier.coef_, two.classifier.coef_)
+    assert np.array_equal(one.detector.coef_, two.detector.coef_)
+
+
 @pytest.fixture(scope="module")
 def evaluation():
     import tempfile

@@ -156,7 +156,9 @@ class CaseIndex:
         labels = [c.culprit or NONE for c in self.cases] + [c.culprit for c in known] + \
             [k for k, _ in self.profiles] * PROFILE_REPEATS
         self.vectorizer = TfidfVectorizer(analyzer=words, sublinear_tf=True)
-        self.classifier = LinearSVC(C=SVM_C).fit(self.vectorizer.fit_transform(texts), labels) \
+        # random_state: liblinear's dual solver visits the documents in a random order; seeded, the same base gives
+        # the same weights in every process (unseeded they differed by ~1e-5, enough to move a finding at its bar).
+        self.classifier = LinearSVC(C=SVM_C, random_state=0).fit(self.vectorizer.fit_transform(texts), labels) \
             if len(set(labels)) > 1 else None
         self.detector = None  # known failure or not: cases against distractors
         is_case = [c.culprit is not None for c in self.cases]
@@ -176,8 +178,8 @@ class CaseIndex:
         blocks = [np.flatnonzero(df[:_HASH_FEATURES] >= 1), _HASH_FEATURES + np.flatnonzero(df[_HASH_FEATURES:] >= 2)]
         self.gram_tfidf = [(cols, TfidfTransformer(sublinear_tf=True).fit(counts[:, cols])) for cols in blocks]
         docs = vstack([counts, gram_counts([t for _, t in self.profiles])]).tocsr() if self.profiles else counts
-        return LinearSVC(C=RELEVANCE_C, class_weight="balanced").fit(self.grams(docs),
-                                                                     is_case + [True] * len(self.profiles))
+        return LinearSVC(C=RELEVANCE_C, class_weight="balanced", random_state=0).fit(
+            self.grams(docs), is_case + [True] * len(self.profiles))
 
     def grams(self, counts):
         """The detector's features of documents' gram_counts."""
