@@ -244,15 +244,15 @@ def test_the_known_failure_check_reads_a_known_report_as_the_doctor_reads_it_pas
 
 
 def test_leave_one_out_accuracy_and_false_alarms_hold(evaluation):
-    """The README's numbers, each case matched against the base without it, must not fall: top-1 64.4% (226/351)
-    and top-3 71.8% (252/351) (the issue's target, 80% top-1, is not met), false alarms 4.8% (6/126) on 126
-    distractors, 26 of them near misses (target <= 5%; it was 6.3% before the known-failure check read documents
-    as pasted). Without the cases' causes as documents of their culprits: 223 and 245 of 349."""
+    """The README's numbers, each case matched against the base without it, must not fall: top-1 69.2% (243/351)
+    and top-3 76.4% (268/351) (the issue's target, 80% top-1, is not met), false alarms 4.8% (6/126) on 126
+    distractors, 26 of them near misses (target <= 5%). The classifiers are seeded, so the figures are exact for a
+    given scikit-learn; the floors leave 3 cases for another release's solver (losing the api_mismatch rule costs 5)."""
     outcomes, alarms = evaluation
     top1 = sum(o.top1 for o in outcomes) / len(outcomes)
     top3 = sum(o.top3 for o in outcomes) / len(outcomes)
     false = sum(bool(o.named) for o in alarms) / len(alarms)
-    assert top1 >= 226 / 351 and top3 >= 252 / 351, f"leave-one-out top-1 {top1:.1%}, top-3 {top3:.1%}"
+    assert top1 >= 240 / 351 and top3 >= 265 / 351, f"leave-one-out top-1 {top1:.1%}, top-3 {top3:.1%}"
     assert false <= 0.05, f"false alarms on distractors {false:.1%}"
 
 
