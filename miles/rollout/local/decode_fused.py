@@ -32,6 +32,7 @@ from miles.utils import invariant
 from miles.utils.invariant_kernels import exact_sum
 
 MLP_BLOCK = 1024  # MLP columns a program
+MLP_WARPS = NORM_WARPS = 4  # warps a program of silu_and_mul, of rms_norm (Triton's default)
 # Each product rounded before it is added, as torch's separate kernels round it (no fused multiply-add): with this,
 # `rms_norm` and `rope_and_cache` (their `exact`) compute the bits of the layer functions' ops, which
 # --true-on-policy-mode needs.
@@ -46,21 +47,22 @@ def supported(head_dim: int, hidden: int, exact: bool = False) -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             dtype: torch.dtype | None = None, exact: bool = False) -> torch.Tensor:
+             dtype: torch.dtype | None = None, exact: bool = False, **launch) -> torch.Tensor:
     """x (N, hidden) -> weight * (x / rms(x)) as HF's RMSNorm computes it: in fp32, rounded to x's dtype, scaled;
     returned in `dtype` (default: torch's promotion of x and weight; an autocast's dtype rounds as its cast would).
     With `residual` (N, hidden), x += residual first, in place (rounded to x's dtype), and the sum is normalised.
     With `exact` (--true-on-policy-mode) the mean square is the square of each column rounded, summed exactly
     (miles.utils.invariant_kernels.exact_sum, the invariant row mean's sum) and divided by the width, each product
     rounded before the next op (EXACT): the bits of the layer functions' torch ops with the invariant kernels,
-    whatever Triton's layout of the row. Without it the squares are summed in floating point (faster)."""
+    whatever Triton's layout of the row. Without it the squares are summed in floating point (faster). `launch`
+    (Triton's num_warps) is for benchmarks/pointwise_launch.py's sweep."""
     if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
         raise ValueError("rms_norm takes rows with contiguous columns")
     out = torch.empty(x.shape, dtype=dtype or torch.result_type(x, weight), device=x.device)
     _rms_norm[(x.shape[0],)](x, residual if residual is not None else x, weight, out, x.shape[1], x.stride(0),
                              residual.stride(0) if residual is not None else 0, out.stride(0), eps,
                              ADD=residual is not None, BLOCK=max(16, triton.next_power_of_2(x.shape[1])),
-                             EXACT_SUM=exact, **(EXACT if exact else {}))
+                             EXACT_SUM=exact, **(EXACT if exact else {}), **{"num_warps": NORM_WARPS, **launch})
     return out
 
 
@@ -88,13 +90,14 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
     return q if repeat is None else (q, k_out, v_out)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up (N, 2F), the fused projection's [gate | up] -> SiLU(gate) * up (N, F), computed in fp32."""
+def silu_and_mul(gate_up: torch.Tensor, block: int = MLP_BLOCK, **launch) -> torch.Tensor:
+    """gate_up (N, 2F), the fused projection's [gate | up] -> SiLU(gate) * up (N, F), computed in fp32. `block`
+    (columns a program) and `launch` (Triton's num_warps) are for benchmarks/pointwise_launch.py's sweep."""
     n, width = gate_up.shape[0], gate_up.shape[1] // 2
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     out = torch.empty(n, width, dtype=gate_up.dtype, device=gate_up.device)
-    _silu_and_mul[(n, triton.cdiv(width, MLP_BLOCK))](gate_up, out, width, gate_up.stride(0), out.stride(0),
-                                                     BLOCK=MLP_BLOCK)
+    _silu_and_mul[(n, triton.cdiv(width, block))](gate_up, out, width, gate_up.stride(0), out.stride(0), BLOCK=block,
+                                                 **{"num_warps": MLP_WARPS, **launch})
     return out
 
 
