@@ -1,11 +1,11 @@
-"""The fast engine's decode GEMMs alone, on the GPU: each projection of a Qwen2.5-0.5B layer (fused q/k/v with its
-bias, output, fused gate/up, down) and the LM head at a decode batch, as the engine runs them (`F.linear`, cuBLAS)
-against other ways to compute the same product: the weight stored transposed (`addmm` on a (K, N) weight), and
-Inductor's autotuned GEMM (torch.compile mode="max-autotune-no-cudagraphs", which times cuBLAS and Triton templates
-for the exact shape and keeps the fastest; its choices print as it goes). Each GEMM is timed in a CUDA graph of
---layers calls, each on its own copy of the weight (a decode step reads every layer's weight from memory once; one
-weight timed again and again would sit in L2), and printed as us a call, TFLOP/s, and % of the bf16 matmul rate
-measured in the run, with the weight's bytes a second against the copy bandwidth.
+"""The fast engine's decode GEMMs alone, on the GPU: each projection of a Qwen2.5-0.5B layer (fused q/k/v with its bias,
+output, fused gate/up, down) and the LM head at a decode batch, as the engine runs them (`F.linear`, cuBLAS) against
+other ways to compute the same product: the weight stored transposed (`addmm` on a (K, N) weight), torch's BLAS
+preference set to cuBLASLt, and Inductor's autotuned GEMM (torch.compile mode="max-autotune-no-cudagraphs", which
+times cuBLAS and Triton templates for the exact shape and keeps the fastest; its choices print as it goes). Each GEMM
+is timed in a CUDA graph of --layers calls, each on its own copy of the weight (a decode step reads every layer's
+weight from memory once; one weight timed again and again would sit in L2), and printed as us a call, TFLOP/s, and %
+of the bf16 matmul rate measured in the run, with the weight's bytes a second against the copy bandwidth.
 
     python benchmarks/gemm_shapes.py [--batch 128 512] [--layers 24] [--repeats 5] [--no-autotune]
 """
@@ -26,6 +26,19 @@ SHAPES = {  # name: (out features N, in features K, bias)
     "down": (HIDDEN, FFN, False),
     "lm_head": (VOCAB, HIDDEN, False),
 }
+
+
+def on_cublaslt(call):
+    """CALL with torch's BLAS preference set to cuBLASLt (whose heuristics pick the kernel for every GEMM, where
+    torch's default sends a GEMM without a bias to cuBLAS), put back after."""
+    def lt():
+        before = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            return call()
+        finally:
+            torch.backends.cuda.preferred_blas_library(before)
+    return lt
 
 
 def main() -> None:
@@ -59,6 +72,7 @@ def main() -> None:
                 "addmm (K, N)": [(lambda wt=wt, b=b: torch.addmm(b, x, wt)) if b is not None
                                  else (lambda wt=wt: torch.mm(x, wt)) for wt, b in zip(wts, bs)],
             }
+            ways["cuBLASLt"] = [on_cublaslt(call) for call in ways["F.linear"]]
             if tuned is not None:
                 ways["max-autotune"] = [lambda w=w, b=b: tuned(x, w, b) for w, b in zip(ws, bs)]
             reference = F.linear(x, ws[0], bs[0]).float()
