@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from common import HEAD_DIM, HEADS, KV_HEADS, copy_bandwidth, gpu_times
 
+from miles.rollout.local import decode_attention as kernels
 from miles.rollout.local.decode_attention import KEYS, decode_attention, rope_and_attend
 from miles.rollout.local.decode_fused import rope_and_cache
 
@@ -48,6 +49,28 @@ def launch_settings(text: str) -> tuple[int, dict]:
     launch = {k: int(v) for k, v in (("num_warps", warps), ("num_stages", stages), ("maxnreg", regs))
               if v not in ("-", "none")}
     return (KEYS if block == "-" else int(block)), launch
+
+
+def compiled_launches(batch: int) -> list[str]:
+    """What ptxas gave each kernel variant Triton compiled in this process (registers a thread, spills, shared memory),
+    and what that allows: programs an SM (registers go to a warp in units of 256, each program's shared memory has 1
+    KiB of the driver's beside it) and the waves of a batch's batch x KV-head programs."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    regs, shared, threads = (getattr(props, name, default) for name, default in (  # Hopper's where torch lacks one
+        ("regs_per_multiprocessor", 65536), ("shared_memory_per_multiprocessor", 233472),
+        ("max_threads_per_multi_processor", 2048)))
+    lines = []
+    for name, jit in (("decode_attention", kernels._decode_attention), ("rope_and_attend", kernels._rope_and_attend)):
+        for caches in jit.device_caches.values():
+            for k in caches[0].values():  # Triton 3.x: (kernel cache, ...) per device
+                meta, warps = k.metadata, k.metadata.num_warps
+                by_regs = regs // (warps * -(-k.n_regs * 32 // 256) * 256)
+                per_sm = min(by_regs, shared // (meta.shared + 1024), threads // (32 * warps), 32)
+                waves = batch * KV_HEADS / (per_sm * props.multi_processor_count)
+                lines.append(f"  {name}: {warps} warps, {meta.num_stages} stages, cap {getattr(meta, 'maxnreg', None)}"
+                             f": {k.n_regs} registers, {k.n_spills} spilled, {meta.shared / 1024:.1f} KiB shared; "
+                             f"{per_sm} programs an SM, {waves:.2f} waves at batch {batch}")
+    return lines
 
 
 def main() -> None:
@@ -111,6 +134,8 @@ def main() -> None:
                 before = statistics.median(gpu_times(lambda: apart(block, launch))) * 1e6
                 line += f"; {ours:6.1f} us against {before:6.1f} us ({before / ours:.2f}x)"
             print(line, flush=True)
+        if args.device == "cuda":
+            print(f"batch {b:4}: the variants compiled so far", *compiled_launches(b), sep="\n", flush=True)
 
 
 if __name__ == "__main__":
