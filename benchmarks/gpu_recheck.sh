@@ -54,8 +54,9 @@ decode() {  # NAME BATCHES ROWS: benchmarks/engine_decode.py, three timed runs a
 for s in "${stages[@]}"; do
   case $s in
     tests) stage tests "${TESTS_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_invariant.py tests/test_gpu.py \
+             tests/test_advance.py \
              tests/test_engine.py -k "invariant or cuda_graph or fast_path or fast_bf16 or bf16_run or true_on or \
-             under_the_mode or decode_attention_kernel or rope_and_attend or fused" ;;
+             under_the_mode or decode_attention_kernel or rope_and_attend or fused or torch_ops_leave" ;;
     sampler) stage sampler 60 python3 benchmarks/sampler_compiled.py --batch 128 --draws 5 ;;
     decode) decode decode "${DECODE_BATCH:-128 512}" "${DECODE_ROWS:-fast-compiled,fast-compiled-unfused,hf-generate}" ;;
     true_on_policy) stage true_on_policy "${TOP_LIMIT:-300}" python3 benchmarks/determinism_parts.py \

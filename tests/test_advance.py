@@ -1,0 +1,71 @@
+"""The decode loop's bookkeeping kernel (miles/rollout/local/advance.py, run here in Triton's interpreter) against the
+torch ops of batching._Call._advance it replaces on a GPU: the same state after a step, for a decode step's slice of
+slots and for a prefill's index list."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from miles.rollout.local.batching import _Call
+
+STATE = ("req", "made", "pos", "last", "done", "stopped", "tokens", "log_probs")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: the interpreter (conftest.py)
+
+
+def _call(seed: int, eos: list[int]) -> _Call:
+    """A call's state mid-rollout: 6 requests (row 6 absorbs), 8 slots (two free), budgets 2-5 of 5 columns, some
+    rows done (at their budget or stopped), one drawing an EOS id (where there are any), one reaching its budget."""
+    g = torch.Generator().manual_seed(seed)
+    n, slots, steps = 6, 8, 5
+    call = _Call.__new__(_Call)
+    call.n, call.steps = n, steps
+    call.req = torch.tensor([3, 0, n, 5, 1, n, 2, 4])
+    call.limit = torch.tensor([5, 2, 4, 5, 3, 5, steps])
+    call.made = torch.randint(0, 3, (slots,), generator=g)
+    call.made[call.req == n] = 0
+    call.pos = call.made + torch.randint(4, 9, (slots,), generator=g)
+    call.last = torch.randint(0, 50, (slots,), generator=g)
+    call.done = (torch.rand(slots, generator=g) < 0.3) | (call.req == n)
+    call.done[[1, 4]] = False  # live: slot 1 draws an EOS id below, slot 4 (request 1) reaches its budget of 2
+    call.made[4] = 1
+    call.stopped = call.done & (torch.rand(slots, generator=g) < 0.5)
+    call.tokens = torch.full((n + 1, steps + 1), 7)
+    call.log_probs = torch.zeros(n + 1, steps + 1)
+    call.uniforms = torch.rand(n + 1, steps + 1, generator=g, dtype=torch.float64)
+    call.sampling = None
+    tok = torch.randint(0, 50, (slots,), generator=g)
+    tok[1] = eos[0] if eos else tok[1]  # slot 1 (request 0) draws an EOS id where there are any
+    logp = -torch.rand(slots, generator=g)
+    for name in (*STATE, "limit", "uniforms"):
+        setattr(call, name, getattr(call, name).to(DEVICE))
+    tok, logp = tok.to(DEVICE), logp.to(DEVICE)
+    call.b = SimpleNamespace(pad_token_id=7, eos=torch.tensor(eos, dtype=torch.long, device=DEVICE),
+                             fused_advance=False,
+                             sample=lambda logits, sampling, u: (tok[: len(u)].clone(), logp[: len(u)].clone()))
+    return call
+
+
+@pytest.mark.parametrize("eos", [[11, 3], [11, 7], []])  # [11, 7]: the pad token is an EOS id, as in many models
+@pytest.mark.parametrize("slots", [slice(0, 8), slice(0, 5), [6, 2, 4]])
+def test_the_kernel_leaves_the_state_the_torch_ops_leave(eos, slots):
+    slots = slots if isinstance(slots, slice) else torch.tensor(slots, device=DEVICE)
+    moved = stopped = finished = 0  # over the seeds, what the step did: the comparison must cover each
+    for seed in range(6):
+        before, torch_ops, kernel = _call(seed, eos), _call(seed, eos), _call(seed, eos)
+        kernel.b = copy.copy(kernel.b)
+        kernel.b.fused_advance = True
+        rows = 3 if isinstance(slots, torch.Tensor) else slots.stop
+        logits = torch.zeros(rows, 50, device=DEVICE)
+        torch_ops._advance(slots, logits)
+        kernel._advance(slots, logits)
+        for name in STATE:
+            assert torch.equal(getattr(kernel, name), getattr(torch_ops, name)), (name, seed, slots, eos)
+        moved += int((torch_ops.made != before.made).sum())
+        stopped += int((torch_ops.stopped & ~before.stopped).sum())
+        finished += int((torch_ops.done & ~before.done & ~torch_ops.stopped).sum())
+    assert moved and finished
+    assert stopped or not eos or not isinstance(slots, slice)  # slot 1's EOS: in both slices, not in the index list
