@@ -7,8 +7,9 @@ random weights and prompts, EOS off, the engine as engine_decode.py's `fast-comp
         --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,... \\
         python3 benchmarks/ncu_decode_step.py --batch 512 --new-tokens 8
 
-(the prefill of 512 prompts of 128 tokens is about 1,560 kernels and a decode step about 215: a skip of 2,500 lands
-in the fifth step.)
+(On an H100 that command read 162 kernels: the last step's last five layers, its LM head and draw, and the torch
+kernels after it; the prefill of 512 prompts of 128 tokens is about 1,560 kernels under torch's profiler and a step
+about 215, so fewer kernels reach ncu than that count suggests: set the skip from a first run's kernel names.)
 """
 
 from __future__ import annotations
