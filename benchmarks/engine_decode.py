@@ -14,7 +14,8 @@ warm-up at the same batch (which captures the CUDA graphs):
   miles.rollout.local.decode_attention, `-torchdraw` samples with the torch path instead of the device draw
   (miles.rollout.sampling.DEVICE_DRAW); both: the engine as it was before the two (2026-12-05). `-unfused` runs
   the decode step's pointwise work in the layer functions instead of miles.rollout.local.decode_fused's kernels
-  (the engine before 2026-12-05's eleventh session).
+  (the engine before 2026-12-05's eleventh session). `-torchadvance` updates each step's slot state and results in
+  torch ops instead of miles.rollout.local.advance's kernel (the engine before 2026-12-07).
   miles hf            LocalEngine's HF-forward path (the reference decode loop)
   HF generate         model.generate(do_sample=True), dynamic cache
   HF static compiled  model.generate(cache_implementation="static"), which transformers compiles (--compiled)
@@ -36,6 +37,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from miles.config import SamplingParams
 from miles.rollout.local import LocalEngine
+from miles.rollout.local import batching as batching_module
 from miles.rollout.local import engine as engine_module
 from miles.rollout import sampling as sampling_module
 from miles.rollout.local.runner import ModelRunner
@@ -98,7 +100,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rows", default="fast,fast-eager,hf-generate",
                    help="fast,fast-eager,fast-compiled,miles-hf,hf-generate,hf-static-compiled; fast* rows also with "
-                        "-sdpa, -torchdraw, -unfused")
+                        "-sdpa, -torchdraw, -unfused, -torchadvance")
     p.add_argument("--profile", type=int, default=0, metavar="B",
                    help="profile one fast-eager generate at batch B first: top CUDA kernels")
     p.add_argument("--profile-compiled", action="store_true",
@@ -142,11 +144,14 @@ def main() -> None:
                            flops)
         for row in rows:
             try:
-                kind = row.removesuffix("-unfused").removesuffix("-torchdraw").removesuffix("-sdpa")
+                kind = row
+                for suffix in ("-torchadvance", "-unfused", "-torchdraw", "-sdpa"):
+                    kind = kind.removesuffix(suffix)
                 if kind in engines:
                     ModelRunner.triton_decode = "-sdpa" not in row  # the three read at every decode step
                     ModelRunner.fused_decode = "-unfused" not in row
                     sampling_module.DEVICE_DRAW = "-torchdraw" not in row
+                    batching_module.FUSED_ADVANCE = "-torchadvance" not in row
                     engine = LocalEngine(model, eos_token_ids=[], pad_token_id=0, **engines[kind])
                     fn = lambda: sum(len(o.token_ids) for o in engine.generate(prompts.tolist(), sampling, seeds))  # noqa: E731
                 else:

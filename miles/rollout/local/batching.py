@@ -41,7 +41,7 @@ from miles.utils.cpu_threads import StepThreads, runnable_elsewhere, step_thread
 
 logger = logging.getLogger("miles")
 
-FUSED_ADVANCE = True  # on a GPU, _advance's updates in advance.py's kernel (off: the torch ops, for the benchmarks)
+FUSED_ADVANCE = True  # on a GPU, _advance's updates in advance.py's kernel (engine_decode.py's -torchadvance: off)
 
 
 class ContinuousBatcher:
