@@ -4,9 +4,9 @@ step's draw.
 In torch ops that is about twenty kernels a step, each over a handful of slots in one block (the masks, two `where`s,
 the two result scatters, `isin` against the EOS ids, the state updates, the budget gather): on an H100 under Nsight
 Compute, 24 kernels of 2-9 us around the draw of a batch-512 step (all but the uniforms' gather before it are these
-updates), each with its launch gap, beside the ~200 of the layers (BENCHMARKS.md). Here the same updates, one program per BLOCK slots, with the same results: the tokens and
-log-probs written at (request, column) (free slots and finished rows at the absorbing row and column), and each
-slot's made, pos, last, stopped and done.
+updates), each with its launch gap, beside the ~200 of the layers (BENCHMARKS.md). Here the same updates, one program
+per BLOCK slots, with the same results: the tokens and log-probs written at (request, column) (free slots and finished
+rows at the absorbing row and column), and each slot's made, pos, last, stopped and done.
 """
 
 from __future__ import annotations
