@@ -5,11 +5,15 @@ slots and for a prefill's index list."""
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from miles.rollout.local.advance import advance
 from miles.rollout.local.batching import _Call
 
 STATE = ("req", "made", "pos", "last", "done", "stopped", "tokens", "log_probs")
@@ -43,8 +47,7 @@ def _call(seed: int, eos: list[int]) -> _Call:
     for name in (*STATE, "limit", "uniforms"):
         setattr(call, name, getattr(call, name).to(DEVICE))
     tok, logp = tok.to(DEVICE), logp.to(DEVICE)
-    call.b = SimpleNamespace(pad_token_id=7, eos=torch.tensor(eos, dtype=torch.long, device=DEVICE),
-                             fused_advance=False,
+    call.b = SimpleNamespace(pad_token_id=7, eos=torch.tensor(eos, dtype=torch.long, device=DEVICE), advance=None,
                              sample=lambda logits, sampling, u: (tok[: len(u)].clone(), logp[: len(u)].clone()))
     return call
 
@@ -57,7 +60,7 @@ def test_the_kernel_leaves_the_state_the_torch_ops_leave(eos, slots):
     for seed in range(6):
         before, torch_ops, kernel = _call(seed, eos), _call(seed, eos), _call(seed, eos)
         kernel.b = copy.copy(kernel.b)
-        kernel.b.fused_advance = True
+        kernel.b.advance = advance
         rows = 3 if isinstance(slots, torch.Tensor) else slots.stop
         logits = torch.zeros(rows, 50, device=DEVICE)
         torch_ops._advance(slots, logits)
@@ -69,3 +72,28 @@ def test_the_kernel_leaves_the_state_the_torch_ops_leave(eos, slots):
         finished += int((torch_ops.done & ~before.done & ~torch_ops.stopped).sum())
     assert moved and finished
     assert stopped or not eos or not isinstance(slots, slice)  # slot 1's EOS: in both slices, not in the index list
+
+
+WITHOUT_TRITON = """
+import sys
+sys.modules["triton"] = None  # `import triton` raises ImportError here, as where it is not installed
+import miles.cli.main, miles.loop  # noqa: E401, F401  (the commands, `miles train`'s loop)
+from miles.config import SamplingParams
+from miles.rollout.local import LocalEngine
+from miles.utils.models import load_causal_lm
+
+model = load_causal_lm(sys.argv[1], device="cpu", attention_backend="sdpa")
+engine = LocalEngine(model, eos_token_ids=[], pad_token_id=0)
+out = engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=3, temperature=1.0, top_p=1.0), [0, 1])
+print([len(o.token_ids) for o in out])
+"""
+
+
+def test_the_cpu_engine_runs_without_triton(tiny_qwen):
+    """`pip install -e '.[demo]'` (the README's first command) brings no Triton: the engine's modules must import, and a
+    CPU rollout run, without it (Triton is imported only where a GPU runs its kernels)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", WITHOUT_TRITON, str(tiny_qwen)], env=env, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[3, 3]"

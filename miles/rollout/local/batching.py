@@ -33,7 +33,6 @@ import torch
 
 from miles.config import SamplingParams
 from miles.rollout.engine import GenerationOutput
-from miles.rollout.local.advance import advance
 from miles.rollout.local.runner import ModelRunner
 from miles.rollout.local.slot_cache import bucket, upload
 from miles.rollout.sampling import compiled_sample_tokens, sample_tokens
@@ -55,7 +54,11 @@ class ContinuousBatcher:
         self.prefill_tokens = prefill_tokens  # packed tokens per prefill forward, at most
         self.device = runner.device
         self.eos = torch.tensor(eos_token_ids, dtype=torch.long, device=self.device)
-        self.fused_advance = FUSED_ADVANCE and self.device.type == "cuda"  # a step's bookkeeping in one kernel
+        self.advance = None  # on a GPU, a step's bookkeeping in one kernel (advance.py; Triton, imported only there)
+        if FUSED_ADVANCE and self.device.type == "cuda":
+            from miles.rollout.local.advance import advance
+
+            self.advance = advance
         self.step_threads: StepThreads | None = None  # the CPU decode's thread count, kept across calls
 
     def _tuner(self) -> StepThreads | None:
@@ -225,10 +228,10 @@ class _Call:
         and updates its state; finished and free slots write only to the absorbing row and column."""
         req, made = self.req[slots], self.made[slots]
         tok, logp = self.b.sample(logits, self.sampling, self.uniforms[req, made])
-        if self.b.fused_advance:  # a GPU: the updates below in one kernel (advance.py) instead of ~20
-            advance(slots, tok, logp, done=self.done, req=self.req, made=self.made, pos=self.pos, last=self.last,
-                    stopped=self.stopped, limit=self.limit, eos=self.b.eos, tokens=self.tokens,
-                    log_probs=self.log_probs, pad=self.b.pad_token_id)
+        if self.b.advance is not None:  # a GPU: the updates below in one kernel (advance.py) instead of ~20
+            self.b.advance(slots, tok, logp, done=self.done, req=self.req, made=self.made, pos=self.pos,
+                           last=self.last, stopped=self.stopped, limit=self.limit, eos=self.b.eos, tokens=self.tokens,
+                           log_probs=self.log_probs, pad=self.b.pad_token_id)
             return
         live = ~self.done[slots]
         tok = torch.where(live, tok, self.b.pad_token_id)
