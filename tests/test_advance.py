@@ -5,6 +5,7 @@ slots and for a prefill's index list."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import torch
 
 from miles.rollout.local.advance import advance
 from miles.rollout.local.batching import _Call
+from test_engine import compile_for_an_h100
 
 STATE = ("req", "made", "pos", "last", "done", "stopped", "tokens", "log_probs")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: the interpreter (conftest.py)
@@ -97,3 +99,17 @@ def test_the_cpu_engine_runs_without_triton(tiny_qwen):
                           text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[3, 3]"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+@pytest.mark.parametrize("indexed", [False, True])
+def test_the_bookkeeping_kernel_compiles_for_an_h100(indexed):
+    """advance.py's kernel for a decode step's slice and a prefill's index list, at the batcher's dtypes (the
+    interpreter above runs what the GPU's compiler may refuse)."""
+    pointers = {"slot_ids": "*i64", "tok": "*i64", "logp": "*fp32", "done": "*i1", "req": "*i64", "made": "*i64",
+                "pos": "*i64", "last": "*i64", "stopped": "*i1", "limit": "*i64", "eos": "*i64", "tokens": "*i64",
+                "log_probs": "*fp32"}
+    scalars = {n: "i32" for n in ("n", "n_eos", "steps", "pad")} | {"s_tokens": "i64", "s_log_probs": "i64"}
+    order = [*pointers, "n", "n_eos", "s_tokens", "s_log_probs", "steps", "pad"]
+    signature = {n: (pointers | scalars)[n] for n in order}
+    compile_for_an_h100([("miles.rollout.local.advance", "_advance", signature, dict(INDEXED=indexed, BLOCK=128))])
