@@ -5,7 +5,6 @@ slots and for a prefill's index list."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import os
 import subprocess
 import sys
@@ -101,7 +100,6 @@ def test_the_cpu_engine_runs_without_triton(tiny_qwen):
     assert done.stdout.strip().splitlines()[-1] == "[3, 3]"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 @pytest.mark.parametrize("indexed", [False, True])
 def test_the_bookkeeping_kernel_compiles_for_an_h100(indexed):
     """advance.py's kernel for a decode step's slice and a prefill's index list, at the batcher's dtypes (the

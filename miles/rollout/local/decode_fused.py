@@ -32,7 +32,6 @@ from miles.utils import invariant
 from miles.utils.invariant_kernels import exact_sum
 
 MLP_BLOCK = 1024  # MLP columns a program
-MLP_WARPS = NORM_WARPS = 4  # warps a program of silu_and_mul, of rms_norm (Triton's default)
 # Each product rounded before it is added, as torch's separate kernels round it (no fused multiply-add): with this,
 # `rms_norm` and `rope_and_cache` (their `exact`) compute the bits of the layer functions' ops, which
 # --true-on-policy-mode needs.
@@ -62,7 +61,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     _rms_norm[(x.shape[0],)](x, residual if residual is not None else x, weight, out, x.shape[1], x.stride(0),
                              residual.stride(0) if residual is not None else 0, out.stride(0), eps,
                              ADD=residual is not None, BLOCK=max(16, triton.next_power_of_2(x.shape[1])),
-                             EXACT_SUM=exact, **(EXACT if exact else {}), **{"num_warps": NORM_WARPS, **launch})
+                             EXACT_SUM=exact, **(EXACT if exact else {}), **launch)
     return out
 
 
@@ -97,7 +96,7 @@ def silu_and_mul(gate_up: torch.Tensor, block: int = MLP_BLOCK, **launch) -> tor
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     out = torch.empty(n, width, dtype=gate_up.dtype, device=gate_up.device)
     _silu_and_mul[(n, triton.cdiv(width, block))](gate_up, out, width, gate_up.stride(0), out.stride(0), BLOCK=block,
-                                                 **{"num_warps": MLP_WARPS, **launch})
+                                                 **launch)
     return out
 
 
