@@ -15,7 +15,9 @@ warm-up at the same batch (which captures the CUDA graphs):
   (miles.rollout.sampling.DEVICE_DRAW); both: the engine as it was before the two (2026-12-05). `-unfused` runs
   the decode step's pointwise work in the layer functions instead of miles.rollout.local.decode_fused's kernels
   (the engine before 2026-12-05's eleventh session). `-torchadvance` updates each step's slot state and results in
-  torch ops instead of miles.rollout.local.advance's kernel (the engine before 2026-12-07).
+  torch ops instead of miles.rollout.local.advance's kernel (the engine before 2026-12-07). `-unfolded` runs each
+  decode layer's two RMSNorms as kernels of their own (the runner's `_fused_layer`) instead of folded into the
+  projections after them (`_folded_layer`; the engine before 2026-12-07's twenty-eighth session).
   miles hf            LocalEngine's HF-forward path (the reference decode loop)
   HF generate         model.generate(do_sample=True), dynamic cache
   HF static compiled  model.generate(cache_implementation="static"), which transformers compiles (--compiled)
@@ -100,7 +102,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rows", default="fast,fast-eager,hf-generate",
                    help="fast,fast-eager,fast-compiled,miles-hf,hf-generate,hf-static-compiled; fast* rows also with "
-                        "-sdpa, -torchdraw, -unfused, -torchadvance")
+                        "-sdpa, -torchdraw, -unfused, -torchadvance, -unfolded")
     p.add_argument("--profile", type=int, default=0, metavar="B",
                    help="profile one fast-eager generate at batch B first: top CUDA kernels")
     p.add_argument("--profile-compiled", action="store_true",
@@ -145,11 +147,12 @@ def main() -> None:
         for row in rows:
             try:
                 kind = row
-                for suffix in ("-torchadvance", "-unfused", "-torchdraw", "-sdpa"):
+                for suffix in ("-unfolded", "-torchadvance", "-unfused", "-torchdraw", "-sdpa"):
                     kind = kind.removesuffix(suffix)
                 if kind in engines:
                     ModelRunner.triton_decode = "-sdpa" not in row  # the three read at every decode step
                     ModelRunner.fused_decode = "-unfused" not in row
+                    ModelRunner.fold_norms = "-unfolded" not in row
                     sampling_module.DEVICE_DRAW = "-torchdraw" not in row
                     batching_module.FUSED_ADVANCE = "-torchadvance" not in row
                     engine = LocalEngine(model, eos_token_ids=[], pad_token_id=0, **engines[kind])

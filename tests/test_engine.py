@@ -462,21 +462,25 @@ def compile_for_an_h100(kernels: list[tuple[str, str, dict, dict]]) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_the_decode_attention_kernels_compile_for_an_h100(dtype):
-    """Both decode attention kernels, at the engine's shapes."""
-    ptr, types = f"*{dtype}", {"positions": "*i64", "scale": "fp32", "group": "i32"}
+    """Both decode attention kernels, at the engine's shapes; rope_and_attend as it is and with the input norm folded
+    (its row scale read, with the q/k/v bias and without: runner.py's `_folded_layer`)."""
+    ptr, types = f"*{dtype}", {"positions": "*i64", "scale": "fp32", "group": "i32", "N": "i32", "eps": "fp32"}
     names = {
         "_decode_attention": ["q", "keys", "values", "positions", "out", "s_qb", "s_qh", "s_ks", "s_kh", "s_kl", "s_ob",
                               "s_oh", "scale", "group"],
-        "_rope_and_attend": ["qkv", "cos", "sin", "positions", "keys", "values", "out", "s_row", "s_pos", "s_ks",
-                             "s_kh", "s_kl", "s_ob", "s_oh", "scale", "group"],
+        "_rope_and_attend": ["qkv", "cos", "sin", "positions", "keys", "values", "out", "normed", "bias", "s_row",
+                             "s_pos", "s_ks", "s_kh", "s_kl", "s_ob", "s_oh", "s_n", "scale", "group", "N", "eps"],
     }
     kernels = []
     for name, args in names.items():
-        constants = dict(D=64, G=16, KEYS=64, IEEE=dtype == "fp32")
-        if name == "_rope_and_attend":
-            constants.update(HEADS=14, KV_HEADS=2)
         signature = {n: types.get(n, "i64" if n.startswith("s_") else ptr) for n in args}
-        kernels.append(("miles.rollout.local.decode_attention", name, signature, constants))
+        constants = dict(D=64, G=16, KEYS=64, IEEE=dtype == "fp32")
+        if name == "_decode_attention":
+            kernels.append(("miles.rollout.local.decode_attention", name, signature, constants))
+            continue
+        for norm, bias in ((False, True), (True, True), (True, False)):
+            folded = dict(constants, HEADS=14, KV_HEADS=2, NORM=norm, HIDDEN=1024, **({} if bias else {"bias": None}))
+            kernels.append(("miles.rollout.local.decode_attention", name, signature, folded))
     compile_for_an_h100(kernels)
 
 
@@ -484,7 +488,7 @@ def test_the_decode_attention_kernels_compile_for_an_h100(dtype):
 def test_the_fused_decode_kernels_compile_for_an_h100():
     """decode_fused's norm (with and without the residual add, fast and EXACT sum), RoPE-and-cache (a decode step's
     rows, and a prefill's packed ones with its keys and values repeated for attention without GQA) and
-    SiLU-and-multiply, bf16 at the engine's shapes."""
+    SiLU-and-multiply (with a folded norm's row scale and without), bf16 at the engine's shapes."""
     norm = ["x", "residual", "weight", "out", "N", "s_x", "s_r", "s_o", "eps"]
     rope = ["qkv", "cos", "sin", "positions", "slots", "q", "keys", "values", "k_out", "v_out", "s_row", "s_pos",
             "s_ks", "s_kh", "s_kl", "s_qn", "s_qh", "s_on"]
@@ -500,7 +504,8 @@ def test_the_fused_decode_kernels_compile_for_an_h100():
     kernels += [(module, "_rope_and_cache", signature(rope), dict(HEADS=14, KV_HEADS=2, QB=16, KB=2, D=64, SLOTS=packed,
                                                                   REPEAT=7 if packed else 0))
                 for packed in (True, False)]
-    kernels.append((module, "_silu_and_mul", signature(["x", "out", "F", "s_x", "s_o"]), dict(BLOCK=1024)))
+    kernels += [(module, "_silu_and_mul", signature(["x", "out", "F", "s_x", "s_o", "normed", "N", "s_n", "eps"]),
+                 dict(BLOCK=1024, NORM=norm, HIDDEN=1024)) for norm in (True, False)]
     compile_for_an_h100(kernels)
 
 
@@ -526,12 +531,13 @@ def test_the_device_draws_kernels_compile_for_an_h100():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
-@pytest.mark.parametrize("attention", ["rope_and_cache", "rope_and_attend"])
+@pytest.mark.parametrize("attention", ["rope_and_cache", "rope_and_attend", "folded"])
 def test_a_decode_step_in_the_fused_kernels_makes_the_tokens_of_the_layer_functions(tiny_qwen, monkeypatch, attention):
     """The fast engine's decode steps through decode_fused (a GPU's default, in fp32 there; forced here, in Triton's
     interpreter, where there is none), on a model with q/k/v biases: the tokens of the layer functions' steps (the
-    runner's `fused_decode` off), log-probs within fp32 noise; with the RoPE in its own kernel before SDPA, and in
-    the decode attention's kernel (rope_and_attend, a GPU's default)."""
+    runner's `fused_decode` off), log-probs within fp32 noise; with the RoPE in its own kernel before SDPA, in the
+    decode attention's kernel (rope_and_attend) with the norms' kernels, and with the norms folded into the
+    projections (`_folded_layer`, a GPU's default: rope_and_attend and silu_and_mul scale the rows)."""
     from miles.rollout.local import decode_attention, decode_fused
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -543,23 +549,69 @@ def test_a_decode_step_in_the_fused_kernels_makes_the_tokens_of_the_layer_functi
     monkeypatch.setattr(engine.runner, "fused_decode", False)
     want = engine.decode(prompts, sp(12, 1.0, 1.0), u)
     monkeypatch.setattr(engine.runner, "fused_decode", True)
+    monkeypatch.setattr(engine.runner, "fold_norms", attention == "folded")
     calls, fused = [], decode_fused.silu_and_mul
-    monkeypatch.setattr(decode_fused, "silu_and_mul", lambda *a: calls.append(1) or fused(*a))
+    monkeypatch.setattr(decode_fused, "silu_and_mul", lambda *a, **k: calls.append(k.get("norm")) or fused(*a, **k))
+    norms, norm = [], decode_fused.rms_norm
+    monkeypatch.setattr(decode_fused, "rms_norm", lambda *a, **k: norms.append(1) or norm(*a, **k))
     if device == "cpu":
         monkeypatch.setattr(engine.runner, "_fused_kernels", lambda: decode_fused)
     attended, kernel = [], decode_attention.rope_and_attend
-    if attention == "rope_and_attend":
+    if attention != "rope_and_cache":
         monkeypatch.setattr(engine.runner, "_decode_kernel", lambda: decode_attention)
-        monkeypatch.setattr(decode_attention, "rope_and_attend", lambda *a: attended.append(1) or kernel(*a))
+        monkeypatch.setattr(decode_attention, "rope_and_attend",
+                            lambda *a, **k: attended.append(k.get("norm")) or kernel(*a, **k))
     else:
         monkeypatch.setattr(engine.runner, "triton_decode", False)
     engine.runner.release()  # graphs captured without the kernels go
     got = engine.decode(prompts, sp(12, 1.0, 1.0), u)
-    assert calls
-    assert bool(attended) == (attention == "rope_and_attend")
+    layers, folded = model.config.num_hidden_layers, attention == "folded"
+    steps = len(calls) // layers - 1  # a layer's SiLU-and-multiply in the prefill (never folded), then in each step
+    assert steps > 0 and bool(attended) == (attention != "rope_and_cache")
+    assert all(c is None for c in calls[:layers])
+    assert all((c is not None) == folded for c in calls[layers:]) and all((a is not None) == folded for a in attended)
+    # the prefill's two norms a layer and its final norm, then a step's two a layer and final norm, or its final only
+    assert len(norms) == 2 * layers + 1 + steps * (1 if folded else 2 * layers + 1)
     for a, b in zip(got, want):
         assert a.token_ids == b.token_ids
         assert a.log_probs == pytest.approx(b.log_probs, abs=1e-5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_the_folded_decode_reads_an_update_of_the_weights_and_norms_and_drops_its_copies_on_release(
+        tiny_qwen, monkeypatch):
+    """The decode steps with the norms folded into the projections (a GPU's default; forced here, in Triton's
+    interpreter) run on copies of the q/k/v and gate/up weights with the norms' weights in them: an update of the
+    norms alone reaches them, so the next log-probs are the trainer's of the new weights (within 1e-4); a
+    release of the engine's memory drops the copies with the cache."""
+    from miles.rollout.local import decode_attention, decode_fused
+
+    tok = load_tokenizer(tiny_qwen)
+    model = load_causal_lm(tiny_qwen, device="cpu", attention_backend="sdpa")
+    engine = LocalEngine(model, eos_token_ids=eos_token_ids(model, tok), pad_token_id=tok.pad_token_id)
+    runner = engine.runner
+    monkeypatch.setattr(runner, "_fused_kernels", lambda: decode_fused)
+    monkeypatch.setattr(runner, "_decode_kernel", lambda: decode_attention)
+    folds, fold = [], runner._folded_layer
+    monkeypatch.setattr(runner, "_folded_layer", lambda *a: folds.append(1) or fold(*a))
+    prompts = [tok(p)["input_ids"] for p in ["1+1=", "what is seven plus two?", "x"]]
+    engine.generate(prompts, sp(4, 1.0, 1.0), [0, 1, 2])
+    assert folds and all(w.folds for w in runner._weights)
+    new = load_causal_lm(tiny_qwen, device="cpu", attention_backend="sdpa")
+    with torch.no_grad():  # the norms alone: the folded copies must follow a change of either factor
+        norms = [(n, p.mul_(1.5 + 0.1 * torch.randn_like(p))) for n, p in new.named_parameters() if "norm" in n]
+    engine.update_weights(norms, weight_version=1)
+    outs = engine.generate(prompts, sp(16, 1.0, 1.0), [3, 4, 5])
+    samples = [Sample(group_index=i, index=i, prompt="", tokens=p + o.token_ids, response_length=len(o.token_ids),
+                      loss_mask=[1] * len(o.token_ids), rollout_log_probs=o.log_probs)
+               for i, (p, o) in enumerate(zip(prompts, outs))]
+    batch = TrainBatch.from_samples(samples, tok.pad_token_id, "cpu")
+    with torch.no_grad():
+        logp, _ = response_log_probs(new, batch, 1.0)
+    assert batch.mask.sum() > 15
+    assert ((logp - batch.rollout_log_probs).abs() * batch.mask).max().item() < 1e-4
+    engine.release_memory()
+    assert runner.cache is None and not runner._weights
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
@@ -774,7 +826,7 @@ def test_under_autocast_the_fast_path_computes_the_models_numbers_from_weights_c
 
     fast, hf = both()
     assert fast.dtype == torch.bfloat16 and torch.equal(fast, hf)
-    assert len(runner._casts()) == 1 + 5 * model.config.num_hidden_layers  # the LM head; 4 projections, q/k/v bias
+    assert len(runner._copies()) == 1 + 5 * model.config.num_hidden_layers  # the LM head; 4 projections, q/k/v bias
     with torch.no_grad():
         model.model.layers[0].self_attn.q_proj.weight.mul_(1.5)
     again, hf_again = both()

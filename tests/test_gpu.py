@@ -26,7 +26,7 @@ def test_fast_path_on_cuda_matches_the_eager_reference(tiny_model, slots, monkey
     from miles.utils import invariant
 
     kernel, calls = decode_attention.rope_and_attend, []
-    monkeypatch.setattr(decode_attention, "rope_and_attend", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(decode_attention, "rope_and_attend", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     draw, draws = invariant.sample, []
     monkeypatch.setattr(invariant, "sample", lambda *a: draws.append(1) or draw(*a))
     tok = load_tokenizer(tiny_model)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from miles.rollout.local.decode_fused import rope
+from miles.rollout.local.decode_fused import rope, row_scale
 from miles.utils.invariant_kernels import softmax_block
 
 KEYS = 64  # cached columns a block
@@ -52,23 +52,32 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 
 def rope_and_attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                    keys: torch.Tensor, values: torch.Tensor, heads: int, scale: float, *, block: int = KEYS,
-                    **launch) -> torch.Tensor:
+                    keys: torch.Tensor, values: torch.Tensor, heads: int, scale: float, *,
+                    norm: tuple[torch.Tensor, float] | None = None, bias: torch.Tensor | None = None,
+                    block: int = KEYS, **launch) -> torch.Tensor:
     """A decode step's RoPE, cache write and attention in one kernel: qkv (b, (Q + 2H) * D), the fused projection's
     rows of slots [0, b), slot j at positions[j]; cos and sin (L, 1, D) by position. Each program rotates its KV
     head's query heads and key, writes the key and value into its slot's column positions[j] of the (S, H, L, D)
     caches (as decode_fused.rope_and_cache does), attends to the slot's earlier columns read from the cache and to
     the new one from its registers, and returns (b, Q, D): decode_attention of rope_and_cache's queries, with no
-    kernel of its own for the RoPE and no round trip of the queries through memory."""
+    kernel of its own for the RoPE and no round trip of the queries through memory.
+
+    With `norm` (x (b, hidden), eps), qkv is the projection of the unnormalised rows x by weights with the input
+    RMSNorm's weight folded in, with no bias: each program first scales what it reads by its row's
+    decode_fused.row_scale of x (the norm's 1 / rms) and adds `bias` ((Q + 2H) * D, or None), which makes it the
+    projection of the normalised row (runner.py's `_folded_layer`)."""
     b, kv_heads, d = qkv.shape[0], keys.shape[1], keys.shape[-1]
     group = heads // kv_heads
-    if qkv.stride(-1) != 1:
+    x, eps = norm if norm is not None else (qkv, 0.0)
+    if qkv.stride(-1) != 1 or x.stride(-1) != 1:
         raise ValueError("rope_and_attend takes rows with contiguous columns")
     out = torch.empty(b, heads, d, dtype=keys.dtype, device=qkv.device)
     _rope_and_attend[(b, kv_heads)](
-        qkv, cos, sin, positions, keys, values, out, qkv.stride(0), cos.stride(0), keys.stride(0), keys.stride(1),
-        keys.stride(2), out.stride(0), out.stride(1), scale, group, HEADS=heads, KV_HEADS=kv_heads, D=d,
-        G=max(16, triton.next_power_of_2(group)), KEYS=block, IEEE=keys.dtype == torch.float32, **launch)
+        qkv, cos, sin, positions, keys, values, out, x, bias, qkv.stride(0), cos.stride(0), keys.stride(0),
+        keys.stride(1), keys.stride(2), out.stride(0), out.stride(1), x.stride(0), scale, group, x.shape[1], eps,
+        HEADS=heads, KV_HEADS=kv_heads, D=d, G=max(16, triton.next_power_of_2(group)), KEYS=block,
+        IEEE=keys.dtype == torch.float32, NORM=norm is not None, HIDDEN=triton.next_power_of_2(x.shape[1]),
+        **launch)
     return out
 
 
@@ -118,9 +127,10 @@ def _decode_attention(q, keys, values, positions, out, s_qb, s_qh, s_ks, s_kh, s
 
 
 @triton.jit
-def _rope_and_attend(qkv, cos, sin, positions, keys, values, out, s_row, s_pos, s_ks, s_kh, s_kl, s_ob, s_oh, scale,
-                     group, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                     KEYS: tl.constexpr, IEEE: tl.constexpr):
+def _rope_and_attend(qkv, cos, sin, positions, keys, values, out, normed, bias, s_row, s_pos, s_ks, s_kh, s_kl, s_ob,
+                     s_oh, s_n, scale, group, N, eps, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+                     G: tl.constexpr, KEYS: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
+                     HIDDEN: tl.constexpr):
     slot, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     r = tl.arange(0, G)
     d = tl.arange(0, D)
@@ -129,10 +139,22 @@ def _rope_and_attend(qkv, cos, sin, positions, keys, values, out, s_row, s_pos, 
     c = tl.load(cos + last * s_pos + d).to(tl.float32)
     s = tl.load(sin + last * s_pos + d).to(tl.float32)
     row = qkv + slot * s_row
-    query = rope(row, head * group + r, rows, c, s, D).to(keys.dtype.element_ty)
     own_head = head + tl.arange(0, 1)  # the KV head as a tile of one row: key and value (1, D)
-    key = rope(row + HEADS * D, own_head, own_head < KV_HEADS, c, s, D).to(keys.dtype.element_ty)
-    value = tl.load(row + (HEADS + KV_HEADS + own_head)[:, None] * D + d[None, :]).to(values.dtype.element_ty)
+    value_at = (HEADS + KV_HEADS + own_head)[:, None] * D + d[None, :]
+    value = tl.load(row + value_at).to(tl.float32)
+    if NORM:  # the projection of the unnormalised row: scaled (and the bias added) as _folded_layer's docstring says
+        scaled = row_scale(normed + slot * s_n, N, eps, HIDDEN)
+        query = rope(row, head * group + r, rows, c, s, D, scaled, bias)
+        key = rope(row + HEADS * D, own_head, own_head < KV_HEADS, c, s, D, scaled,
+                   bias + HEADS * D if bias is not None else None)
+        value *= scaled
+        if bias is not None:
+            value += tl.load(bias + value_at).to(tl.float32)
+    else:
+        query = rope(row, head * group + r, rows, c, s, D)
+        key = rope(row + HEADS * D, own_head, own_head < KV_HEADS, c, s, D)
+    query, key, value = (query.to(keys.dtype.element_ty), key.to(keys.dtype.element_ty),
+                         value.to(values.dtype.element_ty))
     base = slot * s_ks + head * s_kh
     tl.store(keys + base + last * s_kl + d[None, :], key)
     tl.store(values + base + last * s_kl + d[None, :], value)

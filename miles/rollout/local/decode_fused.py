@@ -89,14 +89,21 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
     return q if repeat is None else (q, k_out, v_out)
 
 
-def silu_and_mul(gate_up: torch.Tensor, block: int = MLP_BLOCK, **launch) -> torch.Tensor:
-    """gate_up (N, 2F), the fused projection's [gate | up] -> SiLU(gate) * up (N, F), computed in fp32. `block`
-    (columns a program) and `launch` (Triton's num_warps) are for benchmarks/pointwise_launch.py's sweep."""
+def silu_and_mul(gate_up: torch.Tensor, block: int = MLP_BLOCK, norm: tuple[torch.Tensor, float] | None = None,
+                 **launch) -> torch.Tensor:
+    """gate_up (N, 2F), the fused projection's [gate | up] -> SiLU(gate) * up (N, F), computed in fp32. With
+    `norm` (x (N, hidden), eps): gate_up is the projection of the unnormalised rows x by weights with the RMSNorm's
+    weight folded in, and both halves are first multiplied by each row's `row_scale` of x (the norm's 1 / rms).
+    `block` (columns a program) and `launch` (Triton's num_warps) are for benchmarks/pointwise_launch.py's sweep."""
     n, width = gate_up.shape[0], gate_up.shape[1] // 2
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     out = torch.empty(n, width, dtype=gate_up.dtype, device=gate_up.device)
-    _silu_and_mul[(n, triton.cdiv(width, block))](gate_up, out, width, gate_up.stride(0), out.stride(0), BLOCK=block,
-                                                 **launch)
+    x, eps = norm if norm is not None else (gate_up, 0.0)
+    if x.stride(-1) != 1:
+        raise ValueError("silu_and_mul's norm takes rows with contiguous columns")
+    _silu_and_mul[(n, triton.cdiv(width, block))](gate_up, out, width, gate_up.stride(0), out.stride(0), x,
+                                                 x.shape[1], x.stride(0), eps, BLOCK=block, NORM=norm is not None,
+                                                 HIDDEN=triton.next_power_of_2(x.shape[1]), **launch)
     return out
 
 
@@ -123,18 +130,36 @@ def _rms_norm(x, residual, weight, out, N, s_x, s_r, s_o, eps, ADD: tl.constexpr
 
 
 @triton.jit
-def rope(at, heads, rows, c, s, D: tl.constexpr):
+def rope(at, heads, rows, c, s, D: tl.constexpr, r=None, bias=None):
     """RoPE of heads `heads` (masked by `rows`) of one token, each D wide at at + head * D, at one position (c, s:
     its cos and sin, (D,) fp32): x * cos + rotate_half(x) * sin, (len(heads), D) fp32. rotate_half(x)[d] is
     -x[d + D/2] in the first half and x[d - D/2] in the second: sign * x at the column half a width away, so each
-    product is rounded before the add as torch's ops round them (under EXACT). Shared by `_rope_and_cache` and the
-    decode attention's `_rope_and_attend`: the prefill and a decode step rotate a key alike."""
+    product is rounded before the add as torch's ops round them (under EXACT). With `r` (fp32; `row_scale`), x is first
+    multiplied by it, and with `bias` (a pointer laid out as `at`) the bias added: a decode step's projection of the
+    unnormalised row (runner.py's `_folded_layer`), made what the projection of the normalised row is.
+    Shared by `_rope_and_cache` and the decode attention's `_rope_and_attend`: the prefill and a decode step rotate
+    a key alike."""
     d = tl.arange(0, D)
     half = (d + D // 2) % D
     sign = tl.where(d < D // 2, -1.0, 1.0)
     x = tl.load(at + heads[:, None] * D + d[None, :], mask=rows[:, None], other=0.0).to(tl.float32)
     x_half = tl.load(at + heads[:, None] * D + half[None, :], mask=rows[:, None], other=0.0).to(tl.float32)
+    if r is not None:
+        x, x_half = x * r, x_half * r
+    if bias is not None:
+        x += tl.load(bias + heads[:, None] * D + d[None, :], mask=rows[:, None], other=0.0).to(tl.float32)
+        x_half += tl.load(bias + heads[:, None] * D + half[None, :], mask=rows[:, None], other=0.0).to(tl.float32)
     return x * c[None, :] + sign[None, :] * x_half * s[None, :]
+
+
+@triton.jit
+def row_scale(x, N, eps, BLOCK: tl.constexpr):
+    """1 / rms of the row of N values at x (fp32, summed in floating point): what an RMSNorm multiplies the row by
+    before its weight. A decode step whose norm weights are folded into the next projection's (runner.py's
+    `_folded_layer`) scales that projection's output by it, in the kernel that reads the output next."""
+    cols = tl.arange(0, BLOCK)
+    h = tl.load(x + cols, mask=cols < N, other=0.0).to(tl.float32)
+    return tl.math.rsqrt(tl.sum(h * h, axis=0) / N + eps)
 
 
 @triton.jit
@@ -169,10 +194,14 @@ def _rope_and_cache(qkv, cos, sin, positions, slots, q, keys, values, k_out, v_o
 
 
 @triton.jit
-def _silu_and_mul(x, out, F, s_x, s_o, BLOCK: tl.constexpr):
+def _silu_and_mul(x, out, F, s_x, s_o, normed, N, s_n, eps, BLOCK: tl.constexpr, NORM: tl.constexpr,
+                  HIDDEN: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < F
     gate = tl.load(x + row * s_x + cols, mask=inside, other=0.0).to(tl.float32)
     up = tl.load(x + row * s_x + F + cols, mask=inside, other=0.0).to(tl.float32)
+    if NORM:  # the projection of the unnormalised row: scaled as the norm would have scaled its input
+        r = row_scale(normed + row * s_n, N, eps, HIDDEN)
+        gate, up = gate * r, up * r
     tl.store(out + row * s_o + cols, (gate * tl.sigmoid(gate) * up).to(out.dtype.element_ty), mask=inside)

@@ -144,6 +144,7 @@ class LocalEngine:
         the process holds besides the current cache, on a CPU CPU_KV_SHARE of the host's memory."""
         held = self.runner.cache.nbytes() if self.runner.cache is not None else 0
         if self.device.type == "cuda":
+            self.runner.prepare_weights()  # its weight copies first: they come out of the same budget
             total = torch.cuda.get_device_properties(self.device).total_memory
             budget = self.mem_fraction * total - (torch.cuda.memory_allocated(self.device) - held)
         else:
@@ -166,7 +167,7 @@ class LocalEngine:
             return
         before = device_memory.snapshot(self.device)
         if self.runner is not None:
-            self.runner.release()  # the KV cache and graphs; the next rollout allocates and captures again
+            self.runner.release(weights=True)  # the KV cache, graphs and weight copies; made again at the next rollout
         self.model.to("cpu")
         device_memory.give_back(self.device)
         self.released = True

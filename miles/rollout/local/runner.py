@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.rollout.local.slot_cache import SlotKVCache, batch_buckets, upload
-from miles.rollout.local.weights import Cast, LayerWeights, Packed
+from miles.rollout.local.weights import Cast, Folded, LayerWeights, Packed
 from miles.utils import invariant
 from miles.utils.autocast import autocast_dtype
 from miles.utils.varlen import packed_causal_attention
@@ -126,6 +126,7 @@ class ModelRunner:
     triton_decode = True  # decode attention on a GPU in decode_attention's kernel; False: SDPA (benchmarks compare)
     fused_decode = True  # a GPU decode step's and prefill's pointwise work in decode_fused's kernels; False: the
     # layer functions
+    fold_norms = True  # a GPU decode step's layers in `_folded_layer`; False: `_fused_layer` (benchmarks compare)
 
     def __init__(self, model, *, cuda_graphs: bool = True, compile: bool = False):
         self.model = model
@@ -171,9 +172,7 @@ class ModelRunner:
         """A cache of at least `slots` slots of `length` columns (length rounded up to LENGTH_STEP);
         a smaller one is replaced, its graphs dropped, and with `keep` its contents copied over."""
         length = -(-length // LENGTH_STEP) * LENGTH_STEP
-        if not self._weights or not all(w.current() for w in self._weights):
-            self._weights = [LayerWeights(layer, self.pack) for layer in self.inner.layers]
-            self._graphs, self._pool = {}, None  # they read the tensors the fusing replaced
+        self.prepare_weights()
         if self.cache is not None and self.cache.slots >= slots and self.cache.length >= length:
             return
         old = self.cache if keep else None
@@ -198,9 +197,23 @@ class ModelRunner:
                     self.cache.nbytes() / (1 << 30), str(self.dtype).removeprefix("torch."),
                     "; decode steps captured in CUDA graphs per batch bucket" if self.cuda_graphs else "")
 
-    def release(self) -> None:
-        """Drops the cache and every captured graph (their memory goes back to the allocator)."""
+    def prepare_weights(self) -> None:
+        """The layers' weights as the layer functions take them (weights.LayerWeights), made again (and the graphs that
+        read them dropped) when the parameters are no longer their views; with the folded copies `_folded_layer`
+        reads where a decode step runs it. The engine calls it before it measures the memory left for the cache."""
+        if not self._weights or not all(w.current() for w in self._weights):
+            self._weights = [LayerWeights(layer, self.pack) for layer in self.inner.layers]
+            self._graphs, self._pool = {}, None  # they read the tensors the fusing replaced
+        if self._folds_norms():
+            for w in self._weights:
+                w.folded()
+
+    def release(self, weights: bool = False) -> None:
+        """Drops the cache and every captured graph (their memory goes back to the allocator); with `weights`, the
+        layers' weights too (the folded copies: the model is leaving the device)."""
         self.cache, self._graphs, self._pool = None, {}, None
+        if weights:
+            self._weights = []
 
     def length_bucket(self, longest: int) -> int:
         """The columns a decode step attends to when no slot has more than `longest` tokens: a multiple
@@ -370,8 +383,8 @@ class ModelRunner:
         graph = self._graphs.get((batch, width)) or self._capture(batch, width)
         self._tokens[:batch].copy_(tokens)
         self._positions[:batch].copy_(positions)
-        for cast in self._casts():  # a weight written since (a sync) reaches its copy, which the graph reads
-            cast.get()
+        for copy in self._copies():  # a weight written since (a sync) reaches its copy, which the graph reads
+            copy.get()
         graph.replay()
         return self._logits[:batch]
 
@@ -388,6 +401,10 @@ class ModelRunner:
         x = self.inner.embed_tokens(tokens)  # (b, hidden)
         if (fused := self._fused_kernels()) is not None:
             rope_in_kernel = kernel is not None and not self._mode_attention()  # RoPE and the cache write in it too
+            if rope_in_kernel and self._folds_norms():
+                for i in range(self.num_layers):
+                    self._folded_layer(fused, kernel, i, x, positions)
+                return self._fused_head(fused, x, None, out)
 
             def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
                 keys, values = self.cache.keys[i], self.cache.values[i]
@@ -456,6 +473,30 @@ class ModelRunner:
             return _linear(F.silu(gate) * up, down_w)
         return _linear(fused.silu_and_mul(gate_up), down_w)
 
+    def _folds_norms(self) -> bool:
+        """Whether a decode step runs `_folded_layer` (where `_decode_step` has the RoPE in the decode attention's
+        kernel): `fold_norms` on, decode_fused's kernels and the decode attention's on, outside --true-on-policy-mode
+        (whose norms compute the trainer's bits) and any autocast (whose copies the GEMMs read), and for a model
+        without an output-projection bias (the GEMM's residual add takes one addend)."""
+        return (self.fold_norms and self.triton_decode and self._fused_kernels() is not None
+                and not invariant.enabled() and self._cast() is None and self._weights[0].o_b is None)
+
+    def _folded_layer(self, fused, kernel, i: int, x: torch.Tensor, positions: torch.Tensor) -> None:
+        """Layer i of a GPU's decode step without its two RMSNorms' kernels, the residual stream x (b, hidden) updated
+        in place. Each norm's weight is folded into the projection after it (weights.Folded), which then takes x
+        itself; the kernel that reads the projection next multiplies it by each row's 1 / rms of x
+        (decode_fused.row_scale): the decode attention's rope_and_attend (then adding the q/k/v bias) and
+        silu_and_mul. The output and down projections add into x in their GEMMs (addmm's beta = 1). What
+        `_fused_layer` computes, rounded elsewhere: the normalised row is never rounded to the model's dtype, the
+        folded weights are, and each residual add rounds once, after the GEMM's fp32 sum."""
+        w = self._weights[i]
+        qkv_w, gate_up_w = w.folded()
+        attended = kernel.rope_and_attend(torch.mm(x, qkv_w.t()), self._cos, self._sin, positions, self.cache.keys[i],
+                                          self.cache.values[i], self.q_heads, self.scaling, norm=(x, self.eps),
+                                          bias=w.qkv_b)
+        x.addmm_(attended.view(x.shape[0], -1), w.o_w.t())
+        x.addmm_(fused.silu_and_mul(torch.mm(x, gate_up_w.t()), norm=(x, self.eps)), w.down_w.t())
+
     def _decode_kernel(self):
         """miles.rollout.local.decode_attention where its kernel runs this runner's cache (a GPU, unless
         `triton_decode` is off; imported, and Triton with it, only there), else None: SDPA."""
@@ -487,9 +528,9 @@ class ModelRunner:
         return F.scaled_dot_product_attention(grouped, keys[:batch, :, :width], values[:batch, :, :width],
                                               attn_mask=shared, scale=self.scaling)
 
-    def _casts(self) -> list[Cast]:
-        """The weights' cast copies made so far (none outside autocast)."""
-        casts = [c for w in self._weights for c in w.casts if c is not None]
+    def _copies(self) -> list[Cast | Folded]:
+        """The weights' copies made so far: cast (none outside autocast) and folded (none outside `_folded_layer`)."""
+        casts = [c for w in self._weights for c in (*w.casts, *(w.folds or ())) if c is not None]
         return casts + ([self._head_cast] if self._head_cast is not None else [])
 
     def _capture(self, batch: int, width: int):

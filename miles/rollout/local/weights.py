@@ -2,8 +2,9 @@
 
 The q/k/v and the gate/up projections are each one fused tensor whose row blocks *are* the modules' parameters
 (views), so a weight update copied into the parameters reaches them. For the CPU decode in fp32 the projections are
-also kept in oneDNN's packed layout (`Packed`), and under an autocast to bf16 over fp32 weights (true on-policy mode)
-as bf16 copies (`Cast`); both are made again when a weight update has written into the parameters.
+also kept in oneDNN's packed layout (`Packed`), under an autocast to bf16 over fp32 weights (true on-policy mode)
+as bf16 copies (`Cast`), and for a GPU's decode steps the q/k/v and gate/up weights with the norm before each folded
+in (`Folded`); each is made again when a weight update has written into the parameters.
 """
 
 from __future__ import annotations
@@ -69,6 +70,22 @@ class Cast:
         return self.copy
 
 
+class Folded:
+    """`weight` (out, in) with an RMSNorm's weight `norm` (in,) folded into its columns (weight * norm, rounded to the
+    weight's dtype): its product with a row x is weight's with norm * x. Made once, written again in place when the
+    weight or the norm changed since (a weight sync), so CUDA graphs keep reading it."""
+
+    def __init__(self, weight: torch.Tensor, norm: torch.Tensor):
+        self.weight, self.norm, self.copy, self.versions = weight, norm, torch.empty_like(weight), None
+
+    def get(self) -> torch.Tensor:
+        versions = (self.weight._version, self.norm._version)
+        if self.versions != versions:
+            torch.mul(self.weight.detach(), self.norm.detach(), out=self.copy)
+            self.versions = versions
+        return self.copy
+
+
 class LayerWeights:
     """One decoder layer's tensors as the layer functions take them; fused blocks are views. With `pack`
     (the CPU decode in fp32, not compiled) the four projections also in oneDNN's packed layout; under
@@ -88,6 +105,7 @@ class LayerWeights:
         self.packed = [Packed(w) for w in (self.qkv_w, self.o_w, self.gate_up_w, self.down_w)] if pack else None
         self.casts: list[Cast | None] = []  # of qkv_w, o_w, gate_up_w, down_w, qkv_b, o_b, in `cast_dtype`
         self.cast_dtype = None
+        self.folds: tuple[Folded, Folded] | None = None  # made by `folded`
 
     def projections(self, cast: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
         """The q/k/v, output, gate/up and down weights as the layer functions take them."""
@@ -102,6 +120,13 @@ class LayerWeights:
         if cast is None:
             return self.qkv_b, self.o_b
         return tuple(c.get() if c is not None else None for c in self._casts(cast)[4:])
+
+    def folded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The q/k/v weight with the input norm's weight folded in and the gate/up weight with the post-attention
+        norm's (Folded; the copies made at the first call)."""
+        if self.folds is None:
+            self.folds = (Folded(self.qkv_w, self.norm), Folded(self.gate_up_w, self.post_norm))
+        return self.folds[0].get(), self.folds[1].get()
 
     def _casts(self, dtype: torch.dtype) -> list[Cast | None]:
         if self.cast_dtype != dtype:
