@@ -18,7 +18,9 @@ only attention and its cache:
     the g query heads as g queries of one head (GQA reads each cached key once). On a GPU each (b, Lb)
     bucket's step is captured once in a CUDA graph and replayed; its logits land in one shared buffer, and
     the step's pointwise work (norms, RoPE with the cache writes, SiLU-and-multiply) runs in decode_fused.py's
-    Triton kernels instead of the layer functions below (the prefill's too, outside --true-on-policy-mode).
+    Triton kernels instead of the layer functions below (the prefill's too, outside --true-on-policy-mode), and
+    a step's two norms a layer have no kernels of their own: their weights are folded into the projections after
+    them and the kernels after those scale each row (`_folded_layer`).
 
 Each layer runs as two functions of tensors, `_pre_attention` (norm, one fused q/k/v projection,
 RoPE, the keys and values written into the cache) and `_post_attention` (output projection,
