@@ -17,10 +17,10 @@ batch 512 and +20% at batch 128 on the H200; BENCHMARKS.md):
 The residual adds go into the next norm's kernel. A decode step's layers fold the norms away (runner.py's
 `_folded_layer`): `row_scale` gives rope_and_attend and `silu_and_mul` each row's 1 / rms. Used by ModelRunner's
 decode steps and (outside --true-on-policy-mode) its prefill where it runs: a CUDA GPU (or Triton's interpreter in
-the tests) and a model without per-head q/k norms. Under --true-on-policy-mode, whose decode must compute the trainer's bits, the norm and
-RoPE run `exact` (EXACT below; the norm's sum is the trainer's exact row sum) and the SiLU-and-multiply stays
-torch's. Shapes: N rows (a decode step's row j decodes slot j; a prefill's packed tokens name their slots), Q query
-heads, H KV heads, D head dim, F the MLP width.
+the tests) and a model without per-head q/k norms. Under --true-on-policy-mode, whose decode must compute the
+trainer's bits, the norm and RoPE run `exact` (EXACT below; the norm's sum is the trainer's exact row sum) and the
+SiLU-and-multiply stays torch's. Shapes: N rows (a decode step's row j decodes slot j; a prefill's packed tokens
+name their slots), Q query heads, H KV heads, D head dim, F the MLP width.
 """
 
 from __future__ import annotations
