@@ -374,9 +374,11 @@ def test_the_gpus_fused_decode_kernels_compute_what_the_layer_functions_do():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
-def test_a_prefill_in_the_fused_kernels_computes_what_the_layer_functions_do(tiny_qwen, monkeypatch):
+@pytest.mark.parametrize("folded", [True, False])
+def test_a_prefill_in_the_fused_kernels_computes_what_the_layer_functions_do(tiny_qwen, monkeypatch, folded):
     """The fast engine's prefill through decode_fused (a GPU's default; forced here, in Triton's interpreter): prompts
-    packed into one row, each into its own slot, give the layer functions' logits and cache, within fp32 noise."""
+    packed into one row, each into its own slot, give the layer functions' logits and cache, within fp32 noise; with
+    the norms folded into the projections (`_folded_layer`, the default) and in kernels of their own."""
     from miles.rollout.local import decode_fused
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -391,12 +393,59 @@ def test_a_prefill_in_the_fused_kernels_computes_what_the_layer_functions_do(tin
     want_cache = runner.cache.data.clone()
     runner.cache.data.zero_()
     calls, fused = [], decode_fused.rope_and_cache
-    monkeypatch.setattr(decode_fused, "rope_and_cache", lambda *a: calls.append(a[-1]) or fused(*a))
+    monkeypatch.setattr(decode_fused, "rope_and_cache",
+                        lambda *a, **k: calls.append((a[-1], k.get("norm") is not None)) or fused(*a, **k))
     monkeypatch.setattr(runner, "_fused_kernels", lambda: decode_fused)
+    monkeypatch.setattr(runner, "fold_norms", folded)
     got = runner.prefill([2, 0, 3], prompts, keep=[1, 3, 1])
-    assert calls and all(repeat == runner.group for repeat in calls)  # the prefill's form of the kernel ran
+    assert calls and all(c == (runner.group, folded) for c in calls)  # the prefill's form of the kernel ran
     torch.testing.assert_close(got, want, **close)
     torch.testing.assert_close(runner.cache.data, want_cache, **close)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+@pytest.mark.parametrize("bias", [True, False])
+def test_with_a_norm_folded_the_kernels_take_the_projection_of_the_unnormalised_rows(bias):
+    """The kernels after a projection whose RMSNorm weight is folded into its weight (runner.py's `_folded_layer`;
+    here in Triton's interpreter, fp32): given x's projection and `norm` (x, eps), rope_and_attend, rope_and_cache (a
+    prefill's packed rows, keys and values repeated) and silu_and_mul compute what they compute from the projection of
+    the normalised rows with the bias: their outputs and the cache within fp32 noise."""
+    from miles.rollout.local import decode_fused
+    from miles.rollout.local.decode_attention import rope_and_attend
+    from miles.rollout.local.runner import _rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, length, hidden, eps = 6, 2, 16, 200, 40, 1e-6
+    x = torch.randn(5, hidden, generator=g) * 3
+    norm = torch.rand(hidden, generator=g) + 0.5
+    w = torch.randn((heads + 2 * kv_heads) * dim, hidden, generator=g) / 6
+    b = torch.randn((heads + 2 * kv_heads) * dim, generator=g) if bias else None
+    want_qkv, folded_qkv = F.linear(_rms_norm(x, norm, eps), w, b), x @ (w * norm).t()
+    angles = torch.rand(length, 1, dim // 2, generator=g) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    positions = torch.tensor([0, 31, 32, 130, 199])
+    keys, values = (torch.randn(7, kv_heads, length, dim, generator=g) for _ in range(2))
+    close = dict(rtol=1e-5, atol=1e-5)
+
+    want_keys, want_values, got_keys, got_values = keys.clone(), values.clone(), keys.clone(), values.clone()
+    want = rope_and_attend(want_qkv, cos, sin, positions, want_keys, want_values, heads, 0.25, block=32)
+    got = rope_and_attend(folded_qkv, cos, sin, positions, got_keys, got_values, heads, 0.25, norm=(x, eps), bias=b,
+                          block=32)
+    for a, e in ((got, want), (got_keys, want_keys), (got_values, want_values)):
+        torch.testing.assert_close(a, e, **close)
+
+    slots = torch.tensor([4, 1, 4, 6, 0])
+    want_keys, want_values, got_keys, got_values = keys.clone(), values.clone(), keys.clone(), values.clone()
+    want = decode_fused.rope_and_cache(want_qkv, cos, sin, positions, want_keys, want_values, heads, slots=slots,
+                                       repeat=3)
+    got = decode_fused.rope_and_cache(folded_qkv, cos, sin, positions, got_keys, got_values, heads, slots=slots,
+                                      repeat=3, norm=(x, eps), bias=b)
+    for a, e in (*zip(got, want), (got_keys, want_keys), (got_values, want_values)):
+        torch.testing.assert_close(a, e, **close)
+
+    gate_up = torch.randn(2 * 1500, hidden, generator=g) / 6
+    torch.testing.assert_close(decode_fused.silu_and_mul(x @ (gate_up * norm).t(), norm=(x, eps)),
+                               decode_fused.silu_and_mul(F.linear(_rms_norm(x, norm, eps), gate_up)), **close)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
@@ -487,11 +536,12 @@ def test_the_decode_attention_kernels_compile_for_an_h100(dtype):
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 def test_the_fused_decode_kernels_compile_for_an_h100():
     """decode_fused's norm (with and without the residual add, fast and EXACT sum), RoPE-and-cache (a decode step's
-    rows, and a prefill's packed ones with its keys and values repeated for attention without GQA) and
-    SiLU-and-multiply (with a folded norm's row scale and without), bf16 at the engine's shapes."""
+    rows, and a prefill's packed ones with its keys and values repeated for attention without GQA; each as it is and
+    with a folded norm's row scale, with the q/k/v bias and without) and SiLU-and-multiply (with a folded norm's row
+    scale and without), bf16 at the engine's shapes."""
     norm = ["x", "residual", "weight", "out", "N", "s_x", "s_r", "s_o", "eps"]
-    rope = ["qkv", "cos", "sin", "positions", "slots", "q", "keys", "values", "k_out", "v_out", "s_row", "s_pos",
-            "s_ks", "s_kh", "s_kl", "s_qn", "s_qh", "s_on"]
+    rope = ["qkv", "cos", "sin", "positions", "slots", "q", "keys", "values", "k_out", "v_out", "normed", "bias",
+            "s_row", "s_pos", "s_ks", "s_kh", "s_kl", "s_qn", "s_qh", "s_on", "s_n", "N", "eps"]
     types = {"N": "i32", "F": "i32", "eps": "fp32", "positions": "*i64", "slots": "*i64", "cos": "*fp32",
              "sin": "*fp32", "q": "*fp32", "k_out": "*fp32"}
 
@@ -501,9 +551,10 @@ def test_the_fused_decode_kernels_compile_for_an_h100():
     module = "miles.rollout.local.decode_fused"
     kernels = [(module, "_rms_norm", signature(norm), dict(ADD=add, BLOCK=1024, EXACT_SUM=exact))
                for add in (True, False) for exact in (True, False)]
-    kernels += [(module, "_rope_and_cache", signature(rope), dict(HEADS=14, KV_HEADS=2, QB=16, KB=2, D=64, SLOTS=packed,
-                                                                  REPEAT=7 if packed else 0))
-                for packed in (True, False)]
+    kernels += [(module, "_rope_and_cache", signature(rope),
+                 dict(HEADS=14, KV_HEADS=2, QB=16, KB=2, D=64, SLOTS=packed, REPEAT=7 if packed else 0, NORM=norm,
+                      HIDDEN=1024, **({} if bias else {"bias": None})))
+                for packed in (True, False) for norm, bias in ((False, True), (True, True), (True, False))]
     kernels += [(module, "_silu_and_mul", signature(["x", "out", "F", "s_x", "s_o", "normed", "N", "s_n", "eps"]),
                  dict(BLOCK=1024, NORM=norm, HIDDEN=1024)) for norm in (True, False)]
     compile_for_an_h100(kernels)
@@ -566,12 +617,11 @@ def test_a_decode_step_in_the_fused_kernels_makes_the_tokens_of_the_layer_functi
     engine.runner.release()  # graphs captured without the kernels go
     got = engine.decode(prompts, sp(12, 1.0, 1.0), u)
     layers, folded = model.config.num_hidden_layers, attention == "folded"
-    steps = len(calls) // layers - 1  # a layer's SiLU-and-multiply in the prefill (never folded), then in each step
+    steps = len(calls) // layers - 1  # a layer's SiLU-and-multiply in the prefill, then in each step
     assert steps > 0 and bool(attended) == (attention != "rope_and_cache")
-    assert all(c is None for c in calls[:layers])
-    assert all((c is not None) == folded for c in calls[layers:]) and all((a is not None) == folded for a in attended)
-    # the prefill's two norms a layer and its final norm, then a step's two a layer and final norm, or its final only
-    assert len(norms) == 2 * layers + 1 + steps * (1 if folded else 2 * layers + 1)
+    assert all((c is not None) == folded for c in calls) and all((a is not None) == folded for a in attended)
+    # the prefill's and each step's two norms a layer and final norm, or the final norm alone
+    assert len(norms) == (steps + 1) * (1 if folded else 2 * layers + 1)
     for a, b in zip(got, want):
         assert a.token_ids == b.token_ids
         assert a.log_probs == pytest.approx(b.log_probs, abs=1e-5)

@@ -68,25 +68,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                    keys: torch.Tensor, values: torch.Tensor, heads: int, exact: bool = False,
-                   slots: torch.Tensor | None = None, repeat: int | None = None):
+                   slots: torch.Tensor | None = None, repeat: int | None = None,
+                   norm: tuple[torch.Tensor, float] | None = None, bias: torch.Tensor | None = None):
     """qkv (N, (Q + 2H) * D), the fused projection's rows; cos and sin (L, 1, D) by position; row j at positions[j]
     of slot j, or of slots[j] with `slots` (N,) (a prefill's packed tokens). Writes the rotated keys and the values
     into the (S, H, L, D) caches; returns the rotated queries (N, Q, D) in torch's promotion of q * cos. With
     `repeat` R, returns (queries, keys, values): the rows' rotated keys (in the queries' dtype, as the layer functions
     compute them) and values (qkv's dtype), each (N, H * R, D) with KV head h as heads h * R .. h * R + R - 1
     (repeat_interleave's order: R = Q / H gives each query head its KV head, for attention without GQA). With
-    `exact` each product is rounded before it is added (EXACT): the bits of torch's ops."""
+    `exact` each product is rounded before it is added (EXACT): the bits of torch's ops. With `norm` (x (N, hidden),
+    eps) and `bias`: qkv is the projection of the unnormalised rows x by the folded weights, scaled and biased as
+    decode_attention.rope_and_attend's `norm` says."""
     n, kv_heads, d = qkv.shape[0], keys.shape[1], keys.shape[-1]
+    x, eps = norm if norm is not None else (qkv, 0.0)
+    if x.stride(-1) != 1:
+        raise ValueError("rope_and_cache's norm takes rows with contiguous columns")
     q = torch.empty(n, heads, d, dtype=torch.result_type(qkv, cos), device=qkv.device)  # as q * cos promotes
     k_out = v_out = q  # unused without `repeat`
     if repeat is not None:
         k_out = torch.empty(n, kv_heads * repeat, d, dtype=q.dtype, device=qkv.device)
         v_out = torch.empty(n, kv_heads * repeat, d, dtype=qkv.dtype, device=qkv.device)
     _rope_and_cache[(n,)](qkv, cos, sin, positions, slots if slots is not None else positions, q, keys, values,
-                          k_out, v_out, qkv.stride(0), cos.stride(0), keys.stride(0), keys.stride(1), keys.stride(2),
-                          q.stride(0), q.stride(1), k_out.stride(0), HEADS=heads, KV_HEADS=kv_heads,
-                          QB=triton.next_power_of_2(heads), KB=triton.next_power_of_2(kv_heads), D=d,
-                          SLOTS=slots is not None, REPEAT=repeat or 0, **(EXACT if exact else {}))
+                          k_out, v_out, x, bias, qkv.stride(0), cos.stride(0), keys.stride(0), keys.stride(1),
+                          keys.stride(2), q.stride(0), q.stride(1), k_out.stride(0), x.stride(0), x.shape[1], eps,
+                          HEADS=heads, KV_HEADS=kv_heads, QB=triton.next_power_of_2(heads),
+                          KB=triton.next_power_of_2(kv_heads), D=d, SLOTS=slots is not None, REPEAT=repeat or 0,
+                          NORM=norm is not None, HIDDEN=triton.next_power_of_2(x.shape[1]),
+                          **(EXACT if exact else {}))
     return q if repeat is None else (q, k_out, v_out)
 
 
@@ -164,9 +172,10 @@ def row_scale(x, N, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _rope_and_cache(qkv, cos, sin, positions, slots, q, keys, values, k_out, v_out, s_row, s_pos, s_ks, s_kh, s_kl,
-                    s_qn, s_qh, s_on, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, QB: tl.constexpr,
-                    KB: tl.constexpr, D: tl.constexpr, SLOTS: tl.constexpr, REPEAT: tl.constexpr):
+def _rope_and_cache(qkv, cos, sin, positions, slots, q, keys, values, k_out, v_out, normed, bias, s_row, s_pos, s_ks,
+                    s_kh, s_kl, s_qn, s_qh, s_on, s_n, N, eps, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                    QB: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, SLOTS: tl.constexpr, REPEAT: tl.constexpr,
+                    NORM: tl.constexpr, HIDDEN: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + row)
     if SLOTS:
@@ -179,12 +188,21 @@ def _rope_and_cache(qkv, cos, sin, positions, slots, q, keys, values, k_out, v_o
     base = qkv + row * s_row
     h = tl.arange(0, QB)
     rows = h < HEADS
-    tl.store(q + row * s_qn + h[:, None] * s_qh + d[None, :], rope(base, h, rows, c, s, D).to(q.dtype.element_ty),
-             mask=rows[:, None])
     kh = tl.arange(0, KB)
     kv_rows = kh < KV_HEADS
-    key = rope(base + HEADS * D, kh, kv_rows, c, s, D)
-    value = tl.load(base + (HEADS + KV_HEADS) * D + kh[:, None] * D + d[None, :], mask=kv_rows[:, None], other=0.0)
+    value_at = (HEADS + KV_HEADS) * D + kh[:, None] * D + d[None, :]
+    value = tl.load(base + value_at, mask=kv_rows[:, None], other=0.0)
+    if NORM:  # the projection of the unnormalised row, made the normalised row's (rope's `r` and `bias`)
+        scaled = row_scale(normed + row * s_n, N, eps, HIDDEN)
+        query = rope(base, h, rows, c, s, D, scaled, bias)
+        key = rope(base + HEADS * D, kh, kv_rows, c, s, D, scaled, bias + HEADS * D if bias is not None else None)
+        value = value.to(tl.float32) * scaled
+        if bias is not None:
+            value += tl.load(bias + value_at, mask=kv_rows[:, None], other=0.0).to(tl.float32)
+    else:
+        query = rope(base, h, rows, c, s, D)
+        key = rope(base + HEADS * D, kh, kv_rows, c, s, D)
+    tl.store(q + row * s_qn + h[:, None] * s_qh + d[None, :], query.to(q.dtype.element_ty), mask=rows[:, None])
     at = slot * s_ks + kh[:, None] * s_kh + pos * s_kl + d[None, :]  # the row's slot, its position
     tl.store(keys + at, key.to(keys.dtype.element_ty), mask=kv_rows[:, None])
     tl.store(values + at, value.to(values.dtype.element_ty), mask=kv_rows[:, None])

@@ -19,8 +19,8 @@ only attention and its cache:
     bucket's step is captured once in a CUDA graph and replayed; its logits land in one shared buffer, and
     the step's pointwise work (norms, RoPE with the cache writes, SiLU-and-multiply) runs in decode_fused.py's
     Triton kernels instead of the layer functions below (the prefill's too, outside --true-on-policy-mode), and
-    a step's two norms a layer have no kernels of their own: their weights are folded into the projections after
-    them and the kernels after those scale each row (`_folded_layer`).
+    a layer's two norms have no kernels of their own: their weights are folded into the projections after them and
+    the kernels after those scale each row (`_folded_layer`).
 
 Each layer runs as two functions of tensors, `_pre_attention` (norm, one fused q/k/v projection,
 RoPE, the keys and values written into the cache) and `_post_attention` (output projection,
@@ -128,7 +128,8 @@ class ModelRunner:
     triton_decode = True  # decode attention on a GPU in decode_attention's kernel; False: SDPA (benchmarks compare)
     fused_decode = True  # a GPU decode step's and prefill's pointwise work in decode_fused's kernels; False: the
     # layer functions
-    fold_norms = True  # a GPU decode step's layers in `_folded_layer`; False: `_fused_layer` (benchmarks compare)
+    fold_norms = True  # a GPU decode step's and prefill's layers in `_folded_layer`; False: `_fused_layer` (benchmarks
+    # compare)
 
     def __init__(self, model, *, cuda_graphs: bool = True, compile: bool = False):
         self.model = model
@@ -320,13 +321,18 @@ class ModelRunner:
         tokens, positions, slot_of, cu_seq_lens, wanted = self._packed(slots, pieces, start, keep)
         x = self.inner.embed_tokens(tokens)  # (N, hidden)
         if not start and (fused := self._fused_kernels()) is not None and not invariant.enabled():
-            longest = max(lengths)
+            longest, folded = max(lengths), self._folds_norms()
 
-            def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:  # each query head's KV head repeated, no GQA
+            def attend(i: int, qkv: torch.Tensor, bias=None) -> torch.Tensor:  # each query head's KV head repeated
                 rotated = fused.rope_and_cache(qkv, self._cos, self._sin, positions, self.cache.keys[i],
-                                               self.cache.values[i], self.q_heads, False, slot_of, self.group)
-                return packed_causal_attention(*rotated, cu_seq_lens, longest, self.scaling)
+                                               self.cache.values[i], self.q_heads, False, slot_of, self.group,
+                                               norm=(x, self.eps) if folded else None, bias=bias)
+                return packed_causal_attention(*rotated, cu_seq_lens, longest, self.scaling)  # (no GQA)
 
+            if folded:
+                for i in range(self.num_layers):
+                    self._folded_layer(fused, i, x, attend)
+                return None if keep is None else self._fused_head(fused, x[wanted], None)
             delta = self._fused_layers(fused, x, attend)
             return None if keep is None else self._fused_head(fused, x[wanted], delta[wanted])
         cos, sin, rows = self._cos[positions], self._sin[positions], self._rows(slot_of, positions)
@@ -404,8 +410,13 @@ class ModelRunner:
         if (fused := self._fused_kernels()) is not None:
             rope_in_kernel = kernel is not None and not self._mode_attention()  # RoPE and the cache write in it too
             if rope_in_kernel and self._folds_norms():
+                def attend_folded(i: int, qkv: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+                    return kernel.rope_and_attend(qkv, self._cos, self._sin, positions, self.cache.keys[i],
+                                                  self.cache.values[i], self.q_heads, self.scaling,
+                                                  norm=(x, self.eps), bias=bias)
+
                 for i in range(self.num_layers):
-                    self._folded_layer(fused, kernel, i, x, positions)
+                    self._folded_layer(fused, i, x, attend_folded)
                 return self._fused_head(fused, x, None, out)
 
             def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
@@ -476,27 +487,26 @@ class ModelRunner:
         return _linear(fused.silu_and_mul(gate_up), down_w)
 
     def _folds_norms(self) -> bool:
-        """Whether a decode step runs `_folded_layer` (where `_decode_step` has the RoPE in the decode attention's
-        kernel): `fold_norms` on, decode_fused's kernels and the decode attention's on, outside --true-on-policy-mode
-        (whose norms compute the trainer's bits) and any autocast (whose copies the GEMMs read), and for a model
-        without an output-projection bias (the GEMM's residual add takes one addend)."""
+        """Whether the prefill and a decode step run `_folded_layer` (a step where it has the RoPE in the decode
+        attention's kernel): `fold_norms` on, decode_fused's kernels and the decode attention's on, outside
+        --true-on-policy-mode (whose norms compute the trainer's bits) and any autocast (whose copies the GEMMs read),
+        and for a model without an output-projection bias (the GEMM's residual add takes one addend)."""
         return (self.fold_norms and self.triton_decode and self._fused_kernels() is not None
                 and not invariant.enabled() and self._cast() is None and self._weights[0].o_b is None)
 
-    def _folded_layer(self, fused, kernel, i: int, x: torch.Tensor, positions: torch.Tensor) -> None:
-        """Layer i of a GPU's decode step without its two RMSNorms' kernels, the residual stream x (b, hidden) updated
-        in place. Each norm's weight is folded into the projection after it (weights.Folded), which then takes x
-        itself; the kernel that reads the projection next multiplies it by each row's 1 / rms of x
-        (decode_fused.row_scale): the decode attention's rope_and_attend (then adding the q/k/v bias) and
-        silu_and_mul. The output and down projections add into x in their GEMMs (addmm's beta = 1). What
-        `_fused_layer` computes, rounded elsewhere: the normalised row is never rounded to the model's dtype, the
-        folded weights are, and each residual add rounds once, after the GEMM's fp32 sum."""
+    def _folded_layer(self, fused, i: int, x: torch.Tensor, attend) -> None:
+        """Layer i of a GPU's decode step or prefill without its two RMSNorms' kernels, the residual stream x (N,
+        hidden) updated in place. Each norm's weight is folded into the projection after it (weights.Folded), which
+        then takes x itself; the kernel that reads the projection next multiplies it by each row's 1 / rms of x
+        (decode_fused.row_scale): the RoPE's (then adding the q/k/v bias) and silu_and_mul. The output and down
+        projections add into x in their GEMMs (addmm's beta = 1). `attend(i, qkv, bias)` takes the projection of x
+        by the folded q/k/v weight to the attention's output (N, Q, D), scaling it by the row scale and adding `bias`
+        (decode_attention.rope_and_attend's or decode_fused.rope_and_cache's `norm`). What `_fused_layer` computes,
+        rounded elsewhere: the normalised row is never rounded to the model's dtype, the folded weights are, and each
+        residual add rounds once, after the GEMM's fp32 sum."""
         w = self._weights[i]
         qkv_w, gate_up_w = w.folded()
-        attended = kernel.rope_and_attend(torch.mm(x, qkv_w.t()), self._cos, self._sin, positions, self.cache.keys[i],
-                                          self.cache.values[i], self.q_heads, self.scaling, norm=(x, self.eps),
-                                          bias=w.qkv_b)
-        x.addmm_(attended.view(x.shape[0], -1), w.o_w.t())
+        x.addmm_(attend(i, torch.mm(x, qkv_w.t()), w.qkv_b).reshape(x.shape[0], -1), w.o_w.t())
         x.addmm_(fused.silu_and_mul(torch.mm(x, gate_up_w.t()), norm=(x, self.eps)), w.down_w.t())
 
     def _decode_kernel(self):
