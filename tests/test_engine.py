@@ -407,25 +407,31 @@ def test_a_prefill_in_the_fused_kernels_computes_what_the_layer_functions_do(tin
 @pytest.mark.parametrize("bias", [True, False])
 def test_with_a_norm_folded_the_kernels_take_the_projection_of_the_unnormalised_rows(bias):
     """The kernels after a projection whose RMSNorm weight is folded into its weight (runner.py's `_folded_layer`;
-    here in Triton's interpreter, fp32): given x's projection and `norm` (x, eps), rope_and_attend, rope_and_cache (a
-    prefill's packed rows, keys and values repeated) and silu_and_mul compute what they compute from the projection of
-    the normalised rows with the bias: their outputs and the cache within fp32 noise."""
+    here in Triton's interpreter, fp32; bf16 on a GPU): given x's projection and `norm` (x, eps), rope_and_attend,
+    rope_and_cache (a prefill's packed rows, keys and values repeated) and silu_and_mul compute what they compute from
+    the projection of the normalised rows with the bias: their outputs and the cache within fp32 noise (bf16's)."""
     from miles.rollout.local import decode_fused
     from miles.rollout.local.decode_attention import rope_and_attend
     from miles.rollout.local.runner import _rms_norm
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    close = dict(rtol=1e-5, atol=1e-5) if device == "cpu" else dict(rtol=3e-2, atol=3e-2)  # rounded apart in bf16
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, length, hidden, eps = 6, 2, 16, 200, 40, 1e-6
-    x = torch.randn(5, hidden, generator=g) * 3
-    norm = torch.rand(hidden, generator=g) + 0.5
-    w = torch.randn((heads + 2 * kv_heads) * dim, hidden, generator=g) / 6
-    b = torch.randn((heads + 2 * kv_heads) * dim, generator=g) if bias else None
+
+    def tensor(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, dtype)
+
+    x = tensor(torch.randn(5, hidden, generator=g) * 3)
+    norm = tensor(torch.rand(hidden, generator=g) + 0.5)
+    w = tensor(torch.randn((heads + 2 * kv_heads) * dim, hidden, generator=g) / 6)
+    b = tensor(torch.randn((heads + 2 * kv_heads) * dim, generator=g)) if bias else None
     want_qkv, folded_qkv = F.linear(_rms_norm(x, norm, eps), w, b), x @ (w * norm).t()
     angles = torch.rand(length, 1, dim // 2, generator=g) * 6
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    positions = torch.tensor([0, 31, 32, 130, 199])
-    keys, values = (torch.randn(7, kv_heads, length, dim, generator=g) for _ in range(2))
-    close = dict(rtol=1e-5, atol=1e-5)
+    cos, sin = tensor(torch.cat([angles.cos()] * 2, -1)), tensor(torch.cat([angles.sin()] * 2, -1))
+    positions = torch.tensor([0, 31, 32, 130, 199], device=device)
+    keys, values = (tensor(torch.randn(7, kv_heads, length, dim, generator=g)) for _ in range(2))
 
     want_keys, want_values, got_keys, got_values = keys.clone(), values.clone(), keys.clone(), values.clone()
     want = rope_and_attend(want_qkv, cos, sin, positions, want_keys, want_values, heads, 0.25, block=32)
@@ -434,7 +440,7 @@ def test_with_a_norm_folded_the_kernels_take_the_projection_of_the_unnormalised_
     for a, e in ((got, want), (got_keys, want_keys), (got_values, want_values)):
         torch.testing.assert_close(a, e, **close)
 
-    slots = torch.tensor([4, 1, 4, 6, 0])
+    slots = torch.tensor([4, 1, 4, 6, 0], device=device)
     want_keys, want_values, got_keys, got_values = keys.clone(), values.clone(), keys.clone(), values.clone()
     want = decode_fused.rope_and_cache(want_qkv, cos, sin, positions, want_keys, want_values, heads, slots=slots,
                                        repeat=3)
@@ -443,7 +449,7 @@ def test_with_a_norm_folded_the_kernels_take_the_projection_of_the_unnormalised_
     for a, e in (*zip(got, want), (got_keys, want_keys), (got_values, want_values)):
         torch.testing.assert_close(a, e, **close)
 
-    gate_up = torch.randn(2 * 1500, hidden, generator=g) / 6
+    gate_up = tensor(torch.randn(2 * 1500, hidden, generator=g) / 6)
     torch.testing.assert_close(decode_fused.silu_and_mul(x @ (gate_up * norm).t(), norm=(x, eps)),
                                decode_fused.silu_and_mul(F.linear(_rms_norm(x, norm, eps), gate_up)), **close)
 
@@ -636,8 +642,9 @@ def test_the_folded_decode_reads_an_update_of_the_weights_and_norms_and_drops_it
     release of the engine's memory drops the copies with the cache."""
     from miles.rollout.local import decode_attention, decode_fused
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # fp32 on a GPU, in its graphs
     tok = load_tokenizer(tiny_qwen)
-    model = load_causal_lm(tiny_qwen, device="cpu", attention_backend="sdpa")
+    model = load_causal_lm(tiny_qwen, device=device, attention_backend="sdpa")
     engine = LocalEngine(model, eos_token_ids=eos_token_ids(model, tok), pad_token_id=tok.pad_token_id)
     runner = engine.runner
     monkeypatch.setattr(runner, "_fused_kernels", lambda: decode_fused)
@@ -647,7 +654,7 @@ def test_the_folded_decode_reads_an_update_of_the_weights_and_norms_and_drops_it
     prompts = [tok(p)["input_ids"] for p in ["1+1=", "what is seven plus two?", "x"]]
     engine.generate(prompts, sp(4, 1.0, 1.0), [0, 1, 2])
     assert folds and all(w.folds for w in runner._weights)
-    new = load_causal_lm(tiny_qwen, device="cpu", attention_backend="sdpa")
+    new = load_causal_lm(tiny_qwen, device=device, attention_backend="sdpa")
     with torch.no_grad():  # the norms alone: the folded copies must follow a change of either factor
         norms = [(n, p.mul_(1.5 + 0.1 * torch.randn_like(p))) for n, p in new.named_parameters() if "norm" in n]
     engine.update_weights(norms, weight_version=1)
@@ -655,13 +662,13 @@ def test_the_folded_decode_reads_an_update_of_the_weights_and_norms_and_drops_it
     samples = [Sample(group_index=i, index=i, prompt="", tokens=p + o.token_ids, response_length=len(o.token_ids),
                       loss_mask=[1] * len(o.token_ids), rollout_log_probs=o.log_probs)
                for i, (p, o) in enumerate(zip(prompts, outs))]
-    batch = TrainBatch.from_samples(samples, tok.pad_token_id, "cpu")
+    batch = TrainBatch.from_samples(samples, tok.pad_token_id, device)
     with torch.no_grad():
         logp, _ = response_log_probs(new, batch, 1.0)
     assert batch.mask.sum() > 15
     assert ((logp - batch.rollout_log_probs).abs() * batch.mask).max().item() < 1e-4
     engine.release_memory()
-    assert runner.cache is None and not runner._weights
+    assert runner.cache is None and runner._weights and not any(w.folds for w in runner._weights)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")

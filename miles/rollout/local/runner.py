@@ -213,10 +213,11 @@ class ModelRunner:
 
     def release(self, weights: bool = False) -> None:
         """Drops the cache and every captured graph (their memory goes back to the allocator); with `weights`, the
-        layers' weights too (the folded copies: the model is leaving the device)."""
+        weights' folded copies too (the model is leaving the device; `prepare_weights` makes them again)."""
         self.cache, self._graphs, self._pool = None, {}, None
         if weights:
-            self._weights = []
+            for w in self._weights:
+                w.folds = None
 
     def length_bucket(self, longest: int) -> int:
         """The columns a decode step attends to when no slot has more than `longest` tokens: a multiple
