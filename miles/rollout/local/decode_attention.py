@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from miles.rollout.local.decode_fused import rope, row_scale
+from miles.rollout.local.decode_fused import projected, rope, row_scale
 from miles.utils.invariant_kernels import softmax_block
 
 KEYS = 64  # cached columns a block
@@ -64,8 +64,8 @@ def rope_and_attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos
 
     With `norm` (x (b, hidden), eps), qkv is the projection of the unnormalised rows x by weights with the input
     RMSNorm's weight folded in, with no bias: each program first scales what it reads by its row's
-    decode_fused.row_scale of x (the norm's 1 / rms) and adds `bias` ((Q + 2H) * D, or None), which makes it the
-    projection of the normalised row (runner.py's `_folded_layer`)."""
+    decode_fused.row_scale of x (the norm's 1 / rms), which makes it the projection of the normalised row (runner.py's
+    `_folded_layer`). `bias` ((Q + 2H) * D, or None) is added to what is read (after the scale)."""
     b, kv_heads, d = qkv.shape[0], keys.shape[1], keys.shape[-1]
     group = heads // kv_heads
     x, eps = norm if norm is not None else (qkv, 0.0)
@@ -140,19 +140,12 @@ def _rope_and_attend(qkv, cos, sin, positions, keys, values, out, normed, bias, 
     s = tl.load(sin + last * s_pos + d).to(tl.float32)
     row = qkv + slot * s_row
     own_head = head + tl.arange(0, 1)  # the KV head as a tile of one row: key and value (1, D)
-    value_at = (HEADS + KV_HEADS + own_head)[:, None] * D + d[None, :]
-    value = tl.load(row + value_at).to(tl.float32)
-    if NORM:  # the projection of the unnormalised row: scaled (and the bias added) as _folded_layer's docstring says
-        scaled = row_scale(normed + slot * s_n, N, eps, HIDDEN)
-        query = rope(row, head * group + r, rows, c, s, D, scaled, bias)
-        key = rope(row + HEADS * D, own_head, own_head < KV_HEADS, c, s, D, scaled,
-                   bias + HEADS * D if bias is not None else None)
-        value *= scaled
-        if bias is not None:
-            value += tl.load(bias + value_at).to(tl.float32)
-    else:
-        query = rope(row, head * group + r, rows, c, s, D)
-        key = rope(row + HEADS * D, own_head, own_head < KV_HEADS, c, s, D)
+    scaled = row_scale(normed + slot * s_n, N, eps, HIDDEN) if NORM else None  # the norm folded: `projected`
+    query = rope(row, head * group + r, rows, c, s, D, scaled, bias)
+    key = rope(row + HEADS * D, own_head, own_head < KV_HEADS, c, s, D, scaled,
+               bias + HEADS * D if bias is not None else None)
+    value = projected(row, bias, (HEADS + KV_HEADS + own_head)[:, None] * D + d[None, :],
+                      (own_head < KV_HEADS)[:, None], scaled)
     query, key, value = (query.to(keys.dtype.element_ty), key.to(keys.dtype.element_ty),
                          value.to(values.dtype.element_ty))
     base = slot * s_ks + head * s_kh

@@ -77,8 +77,8 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
     compute them) and values (qkv's dtype), each (N, H * R, D) with KV head h as heads h * R .. h * R + R - 1
     (repeat_interleave's order: R = Q / H gives each query head its KV head, for attention without GQA). With
     `exact` each product is rounded before it is added (EXACT): the bits of torch's ops. With `norm` (x (N, hidden),
-    eps) and `bias`: qkv is the projection of the unnormalised rows x by the folded weights, scaled and biased as
-    decode_attention.rope_and_attend's `norm` says."""
+    eps): qkv is the projection of the unnormalised rows x by the folded weights, scaled as
+    decode_attention.rope_and_attend's `norm` says; `bias` ((Q + 2H) * D) is added to what is read."""
     n, kv_heads, d = qkv.shape[0], keys.shape[1], keys.shape[-1]
     x, eps = norm if norm is not None else (qkv, 0.0)
     if x.stride(-1) != 1:
@@ -143,22 +143,29 @@ def rope(at, heads, rows, c, s, D: tl.constexpr, r=None, bias=None):
     """RoPE of heads `heads` (masked by `rows`) of one token, each D wide at at + head * D, at one position (c, s:
     its cos and sin, (D,) fp32): x * cos + rotate_half(x) * sin, (len(heads), D) fp32. rotate_half(x)[d] is
     -x[d + D/2] in the first half and x[d - D/2] in the second: sign * x at the column half a width away, so each
-    product is rounded before the add as torch's ops round them (under EXACT). With `r` (fp32; `row_scale`), x is first
-    multiplied by it, and with `bias` (a pointer laid out as `at`) the bias added: a decode step's projection of the
-    unnormalised row (runner.py's `_folded_layer`), made what the projection of the normalised row is.
-    Shared by `_rope_and_cache` and the decode attention's `_rope_and_attend`: the prefill and a decode step rotate
-    a key alike."""
+    product is rounded before the add as torch's ops round them (under EXACT). x is read by `projected` (with `r` and
+    `bias`, the projection of the unnormalised row made the normalised row's). Shared by `_rope_and_cache` and the
+    decode attention's `_rope_and_attend`: the prefill and a decode step rotate a key alike."""
     d = tl.arange(0, D)
     half = (d + D // 2) % D
     sign = tl.where(d < D // 2, -1.0, 1.0)
-    x = tl.load(at + heads[:, None] * D + d[None, :], mask=rows[:, None], other=0.0).to(tl.float32)
-    x_half = tl.load(at + heads[:, None] * D + half[None, :], mask=rows[:, None], other=0.0).to(tl.float32)
-    if r is not None:
-        x, x_half = x * r, x_half * r
-    if bias is not None:
-        x += tl.load(bias + heads[:, None] * D + d[None, :], mask=rows[:, None], other=0.0).to(tl.float32)
-        x_half += tl.load(bias + heads[:, None] * D + half[None, :], mask=rows[:, None], other=0.0).to(tl.float32)
+    x = projected(at, bias, heads[:, None] * D + d[None, :], rows[:, None], r)
+    x_half = projected(at, bias, heads[:, None] * D + half[None, :], rows[:, None], r)
     return x * c[None, :] + sign[None, :] * x_half * s[None, :]
+
+
+@triton.jit
+def projected(at, bias, offsets, mask, r=None):
+    """A projection's values at `at + offsets` (masked), fp32. With `r` (fp32; `row_scale`) they are first multiplied
+    by it, and with `bias` (a pointer laid out as `at`, or None) the bias at the same offsets is added: the projection
+    of an unnormalised row by weights with the norm's weight folded in, made the normalised row's (runner.py's
+    `_folded_layer`)."""
+    x = tl.load(at + offsets, mask=mask, other=0.0).to(tl.float32)
+    if r is not None:
+        x = x * r
+    if bias is not None:
+        x += tl.load(bias + offsets, mask=mask, other=0.0).to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -190,18 +197,10 @@ def _rope_and_cache(qkv, cos, sin, positions, slots, q, keys, values, k_out, v_o
     rows = h < HEADS
     kh = tl.arange(0, KB)
     kv_rows = kh < KV_HEADS
-    value_at = (HEADS + KV_HEADS) * D + kh[:, None] * D + d[None, :]
-    value = tl.load(base + value_at, mask=kv_rows[:, None], other=0.0)
-    if NORM:  # the projection of the unnormalised row, made the normalised row's (rope's `r` and `bias`)
-        scaled = row_scale(normed + row * s_n, N, eps, HIDDEN)
-        query = rope(base, h, rows, c, s, D, scaled, bias)
-        key = rope(base + HEADS * D, kh, kv_rows, c, s, D, scaled, bias + HEADS * D if bias is not None else None)
-        value = value.to(tl.float32) * scaled
-        if bias is not None:
-            value += tl.load(bias + value_at, mask=kv_rows[:, None], other=0.0).to(tl.float32)
-    else:
-        query = rope(base, h, rows, c, s, D)
-        key = rope(base + HEADS * D, kh, kv_rows, c, s, D)
+    scaled = row_scale(normed + row * s_n, N, eps, HIDDEN) if NORM else None  # the norm folded: `projected`
+    query = rope(base, h, rows, c, s, D, scaled, bias)
+    key = rope(base + HEADS * D, kh, kv_rows, c, s, D, scaled, bias + HEADS * D if bias is not None else None)
+    value = projected(base, bias, (HEADS + KV_HEADS) * D + kh[:, None] * D + d[None, :], kv_rows[:, None], scaled)
     tl.store(q + row * s_qn + h[:, None] * s_qh + d[None, :], query.to(q.dtype.element_ty), mask=rows[:, None])
     at = slot * s_ks + kh[:, None] * s_kh + pos * s_kl + d[None, :]  # the row's slot, its position
     tl.store(keys + at, key.to(keys.dtype.element_ty), mask=kv_rows[:, None])
