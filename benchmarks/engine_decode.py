@@ -17,7 +17,9 @@ warm-up at the same batch (which captures the CUDA graphs):
   (the engine before 2026-12-05's eleventh session). `-torchadvance` updates each step's slot state and results in
   torch ops instead of miles.rollout.local.advance's kernel (the engine before 2026-12-07). `-unfolded` runs each
   decode layer's two RMSNorms as kernels of their own (the runner's `_fused_layer`) instead of folded into the
-  projections after them (`_folded_layer`; the engine before 2026-12-07's twenty-eighth session).
+  projections after them (`_folded_layer`; the engine before 2026-12-07's twenty-eighth session). `-drained` has
+  the host's checks wait for every queued step (miles.rollout.local.batching.LAGGED_CHECKS off; the engine before
+  2026-12-07's twenty-ninth session) instead of reading the done flags copied before the last one.
   miles hf            LocalEngine's HF-forward path (the reference decode loop)
   HF generate         model.generate(do_sample=True), dynamic cache
   HF static compiled  model.generate(cache_implementation="static"), which transformers compiles (--compiled)
@@ -102,7 +104,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rows", default="fast,fast-eager,hf-generate",
                    help="fast,fast-eager,fast-compiled,miles-hf,hf-generate,hf-static-compiled; fast* rows also with "
-                        "-sdpa, -torchdraw, -unfused, -torchadvance, -unfolded")
+                        "-sdpa, -torchdraw, -unfused, -torchadvance, -unfolded, -drained")
     p.add_argument("--profile", type=int, default=0, metavar="B",
                    help="profile one fast-eager generate at batch B first: top CUDA kernels")
     p.add_argument("--profile-compiled", action="store_true",
@@ -147,7 +149,7 @@ def main() -> None:
         for row in rows:
             try:
                 kind = row
-                for suffix in ("-unfolded", "-torchadvance", "-unfused", "-torchdraw", "-sdpa"):
+                for suffix in ("-drained", "-unfolded", "-torchadvance", "-unfused", "-torchdraw", "-sdpa"):
                     kind = kind.removesuffix(suffix)
                 if kind in engines:
                     ModelRunner.triton_decode = "-sdpa" not in row  # the three read at every decode step
@@ -155,6 +157,7 @@ def main() -> None:
                     ModelRunner.fold_norms = "-unfolded" not in row
                     sampling_module.DEVICE_DRAW = "-torchdraw" not in row
                     batching_module.FUSED_ADVANCE = "-torchadvance" not in row
+                    batching_module.LAGGED_CHECKS = "-drained" not in row
                     engine = LocalEngine(model, eos_token_ids=[], pad_token_id=0, **engines[kind])
                     fn = lambda: sum(len(o.token_ids) for o in engine.generate(prompts.tolist(), sampling, seeds))  # noqa: E731
                 else:

@@ -568,19 +568,17 @@ def test_the_fused_decode_kernels_compile_for_an_h100():
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 def test_the_device_draws_kernels_compile_for_an_h100():
-    """The device draw's three kernels over bf16 logits and the trainer's log-probs over fp32 ones, dividing by the
+    """The device draw's two kernels over bf16 logits and the trainer's log-probs over fp32 ones, dividing by the
     temperature and not (temperature 1), at a 151,936-token vocabulary's block count."""
     types = {"V": "i32", "temperature": "fp32", "units": "fp32", "unit": "fp32", "blocks": "i32", "s_row": "i64",
              "logits": "*bf16", "maxes": "*fp32", "masses": "*i64", "uniforms": "*fp64", "tokens": "*i64",
              "log_probs": "*fp32", "x": "*fp32", "targets": "*i64", "log_z": "*fp32"}
     names = {
-        "block_max": (["logits", "s_row", "maxes", "V", "temperature"], {"CHUNK": 4096}),
-        "block_mass": (["logits", "s_row", "maxes", "masses", "V", "temperature", "units"],
-                       {"CHUNK": 4096, "BLOCKS": 64}),
+        "block_masses": (["logits", "s_row", "maxes", "masses", "V", "temperature", "units"], {"CHUNK": 4096}),
         "draw": (["logits", "s_row", "maxes", "masses", "uniforms", "tokens", "log_probs", "V", "temperature", "units",
                   "unit", "blocks"], {"CHUNK": 4096, "BLOCKS": 64}),
         "token_log_probs": (["x", "s_row", "targets", "log_probs", "log_z", "V", "temperature", "units", "unit"],
-                            {"CHUNK": 4096}),
+                            {"CHUNK": 4096, "BLOCKS": 64}),
     }
     compile_for_an_h100([("miles.utils.invariant_kernels", name, {n: types[n] for n in args},
                           {**constants, "DIVIDE": divide})

@@ -20,13 +20,16 @@ PROMPTS = ("hello", "a much longer prompt", "x", "what is seven plus two?")
 @pytest.mark.parametrize("slots", [None, 3])
 def test_fast_path_on_cuda_matches_the_eager_reference(tiny_model, slots, monkeypatch):
     """fp32 on the GPU, CUDA graphs on (and 3 slots for 16 requests: rows wait, take freed slots
-    and move down), the RoPE and decode attention in the Triton kernel, tokens drawn by the device draw: the tokens of
-    decoding each prompt alone without a cache, log-probs within fp32 noise."""
-    from miles.rollout.local import decode_attention
+    and move down), the RoPE and decode attention in the Triton kernel, tokens drawn by the device draw, the host's
+    checks reading the done flags copied before each group's last step: the tokens of decoding each prompt alone
+    without a cache, log-probs within fp32 noise."""
+    from miles.rollout.local import batching, decode_attention
     from miles.utils import invariant
 
     kernel, calls = decode_attention.rope_and_attend, []
     monkeypatch.setattr(decode_attention, "rope_and_attend", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    done, lagged = batching._Call._done, []
+    monkeypatch.setattr(batching._Call, "_done", lambda self: lagged.append(self.seen_at is not None) or done(self))
     draw, draws = invariant.sample, []
     monkeypatch.setattr(invariant, "sample", lambda *a: draws.append(1) or draw(*a))
     tok = load_tokenizer(tiny_model)
@@ -41,6 +44,7 @@ def test_fast_path_on_cuda_matches_the_eager_reference(tiny_model, slots, monkey
     assert engine.runner.cuda_graphs and engine.runner._graphs  # the steps ran as graph replays
     assert calls  # of the Triton kernel (captured in the graphs)
     assert draws  # the sampler's device draw
+    assert sum(lagged) >= len(lagged) / 2  # most checks read the copy, not the drained queue
     want = eager_decode(model, prompts, sampling, u, set(engine.eos_token_ids), tok.pad_token_id)
     for out, (tokens, logps) in zip(got, want):
         assert out.token_ids == tokens

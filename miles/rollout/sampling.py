@@ -17,12 +17,13 @@ over the whole vocabulary (what miles did first) is ~1e-4 off and rounds thousan
 to zero-width intervals. With top-p or top-k the truncated distribution is built in float64
 (`sampling_cdf`).
 
-On a GPU with Triton the plain path is miles.utils.invariant's draw instead: three kernels, no copy of the
-vocabulary (block maxes; each block's mass in fixed point, int64 units of 2^-44 at 151,936 tokens, rounded down,
-against the row's max; the block and the token the uniform falls on), 53 us a call at 128 x 151,936 in a CUDA
-graph on the H200 against 495 us for the torch path and 138 us compiled. A token whose probability is below one
-unit of the most likely token's is never drawn (at most ~1e-8 of the mass at that vocabulary); the log-prob
-reported is the token's, from the same fixed-point sum.
+On a GPU with Triton the plain path is miles.utils.invariant's draw instead: two kernels, no copy of the
+vocabulary (one pass over the logits: each block's max and its mass in fixed point, int64 units of 2^-44 at
+151,936 tokens, rounded down, against that max; then per row the blocks brought to the row's max, the block and the
+token the uniform falls on). The three-kernel draw before it (a pass for the maxes, another for the masses) took
+53 us a call at 128 x 151,936 in a CUDA graph on the H200 against 495 us for the torch path and 138 us compiled. A
+token whose probability is below one unit of its block's most likely token's is never drawn (at most ~1e-8 of the
+mass at that vocabulary); the log-prob reported is the token's, from the same fixed-point sum.
 """
 
 from __future__ import annotations

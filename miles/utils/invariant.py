@@ -19,13 +19,14 @@ a Triton kernel whose result for one row depends on that row alone:
     query heads of one KV head at one position), keys visited from the sequence's first in blocks of KEYS
     with an online softmax in fp32; q, k and v rounded to the autocast dtype as SDPA's autocast would;
     backward through torch's SDPA (gradients need no invariance);
-  - the sampler's draw (`sample`): the softmax's mass summed in fixed point (int64: each exp(x - max) in
-    whole units of 2^-44 at 151,936 tokens), so neither the sum, nor the log-sum-exp, nor the inverse CDF over
-    the same integers depends on the order of additions (which Triton picks by the logits' dtype: a bf16
-    row and its fp32 copy were summed in other orders, one float32 ulp apart at times); the trainer's
-    log-probs come from the same code (`token_log_probs`), so both sides give a token the same log-prob,
-    bit for bit. A token below one unit of the likeliest one's probability cannot be drawn (total
-    variation <= V * unit: 8.6e-9 at 151,936 tokens, about float32's own rounding of the probabilities).
+  - the sampler's draw (`sample`): the softmax's mass summed in fixed point (int64: each exp(x - its block's max)
+    in whole units of 2^-44 at 151,936 tokens, a block of CHUNK logits at a time, the blocks' masses brought to the
+    row's max in float64 and added as integers), so neither the sum, nor the log-sum-exp, nor the inverse CDF over
+    the same integers depends on the order of additions within a block (which Triton picks by the logits' dtype: a
+    bf16 row and its fp32 copy were summed in other orders, one float32 ulp apart at times); the trainer's log-probs
+    come from the same code (`token_log_probs`), so both sides give a token the same log-prob, bit for bit. A token
+    below one unit of its block's likeliest one's probability cannot be drawn (total variation <= V * unit: 8.6e-9 at
+    151,936 tokens, about float32's own rounding of the probabilities).
 
 `enable()` registers the aten kernels for the process (torch.library, the CUDA dispatch key; CPU ops
 are untouched). Other reductions (losses, metrics) stay torch's: one side alone computes them.
@@ -296,6 +297,12 @@ def _rows(logits: torch.Tensor) -> torch.Tensor:
     return logits if logits.stride(-1) == 1 else logits.contiguous()
 
 
+def _blocks(vocab: int) -> tuple[int, int]:
+    """The sampler's blocks of CHUNK logits in a row of `vocab`, and a power of two >= that (a vector's width)."""
+    blocks = -(-vocab // CHUNK)
+    return blocks, max(2, 1 << (blocks - 1).bit_length())
+
+
 def fixed_point(vocab: int) -> tuple[float, float]:
     """(units in 1, the unit) of the draw's fixed-point masses for a vocabulary of `vocab` tokens: the unit is
     2^-(62 - bits of vocab), so a row's vocab terms in [0, 1] add up within int64 (2^-44 at 151,936 tokens)."""
@@ -307,23 +314,20 @@ def sample(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float) -> 
     """One token per row of `logits` (B, V), drawn from softmax(logits / temperature) by inverse CDF with
     uniforms (B,) in float64; returns (tokens (B,), their log-probs (B,) in fp32, as `token_log_probs` gives them).
 
-    Three kernels, the first two over every (row, block of CHUNK logits) at once: block maxes, block masses (fixed
-    point, against the row's max), then per row the block and the token the uniform falls on."""
+    Two kernels: one pass over every (row, block of CHUNK logits) at once, each block's max and fixed-point mass
+    against it; then per row the blocks brought to the row's max, the block and the token the uniform falls on."""
     batch, vocab = logits.shape
     tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
     log_probs = torch.empty(batch, dtype=torch.float32, device=logits.device)
     if batch:
         logits, kernels = _rows(logits), _kernels()
-        blocks = -(-vocab // CHUNK)
-        width = max(2, 1 << (blocks - 1).bit_length())  # a power of two >= blocks
+        blocks, width = _blocks(vocab)
         maxes = torch.empty(batch, blocks, dtype=torch.float32, device=logits.device)
         masses = torch.empty(batch, blocks, dtype=torch.int64, device=logits.device)
         divide = temperature != 1.0  # x / 1 is x: no division at temperature 1
-        kernels.block_max[(batch, blocks)](logits, logits.stride(0), maxes, vocab, float(temperature), CHUNK=CHUNK,
-                                           DIVIDE=divide)
         units, unit = fixed_point(vocab)
-        kernels.block_mass[(batch, blocks)](logits, logits.stride(0), maxes, masses, vocab, float(temperature), units,
-                                            CHUNK=CHUNK, BLOCKS=width, DIVIDE=divide)
+        kernels.block_masses[(batch, blocks)](logits, logits.stride(0), maxes, masses, vocab, float(temperature),
+                                              units, CHUNK=CHUNK, DIVIDE=divide)
         kernels.draw[(batch,)](logits, logits.stride(0), maxes, masses,
                                uniforms.to(logits.device, torch.float64).contiguous(), tokens, log_probs, vocab,
                                float(temperature), units, unit, blocks, CHUNK=CHUNK, BLOCKS=width, DIVIDE=divide)
@@ -340,7 +344,7 @@ class _TokenLogProbs(torch.autograd.Function):
             logits = _rows(logits)
             _kernels().token_log_probs[(rows,)](logits, logits.stride(0), targets.contiguous(), log_probs, log_z,
                                                 vocab, float(temperature), *fixed_point(vocab), CHUNK=CHUNK,
-                                                DIVIDE=temperature != 1.0)
+                                                BLOCKS=_blocks(vocab)[1], DIVIDE=temperature != 1.0)
         ctx.save_for_backward(logits, targets, log_z)
         ctx.temperature = temperature
         ctx.mark_non_differentiable(log_z)

@@ -130,11 +130,14 @@ def attention(q, k, v, o, tile_first, tile_count, tile_position, tile_base, s_qn
     tl.store(o + (first + r)[:, None] * s_on + h * s_oh + d[None, :], (acc / total[:, None]).to(o.dtype.element_ty),
              mask=rows)
 
-# The softmax's mass is summed in fixed point: each exp(x - max) in [0, 1] as a whole number of `unit`s (rounded
-# down; unit = 2^-F with F = 62 - bits of V, so V such terms fit int64: 2^-44 at 151,936 tokens), added as int64.
-# Integer addition is exact, so a row's sum, its log-sum-exp and its draw do not depend on the order the kernel
-# adds in, which Triton picks from the layout of the loads (16 bytes a thread: 8 bf16 logits, 4 fp32 ones), so the
-# engine's draw over bf16 logits and the trainer's log-probs over fp32 ones agree bit for bit.
+# The softmax's mass is summed in fixed point, a block of CHUNK logits at a time: each exp(x - the block's max) in
+# [0, 1] as a whole number of `unit`s (rounded down; unit = 2^-F with F = 62 - bits of V, so V such terms fit int64:
+# 2^-44 at 151,936 tokens), added as int64; then each block's mass is brought to the row's max (times exp(its max -
+# the row's), rounded down; the max's own block exactly) and the blocks' masses added as int64. Integer addition is
+# exact, so a row's sum, its log-sum-exp and its draw do not depend on the order the kernel adds a block in, which
+# Triton picks from the layout of the loads (16 bytes a thread: 8 bf16 logits, 4 fp32 ones), so the engine's draw
+# over bf16 logits and the trainer's log-probs over fp32 ones agree bit for bit. Each block needs only its own max,
+# so the draw reads the logits once (one pass for the blocks' maxes and masses) and then one block a row.
 
 
 @triton.jit
@@ -157,9 +160,30 @@ def scaled(base, at, V, temperature, DIVIDE: tl.constexpr):
 
 
 @triton.jit
-def fixed_masses(base, at, V, temperature, m, units, DIVIDE: tl.constexpr):
-    """exp(x - m) of the logits at `at`, x = logit / temperature, in whole units (int64, rounded down)."""
-    return (tl.exp(scaled(base, at, V, temperature, DIVIDE) - m) * units).to(tl.int64)
+def fixed_masses(x, m, units):
+    """exp(x - m) of the values x, in whole units (int64, rounded down)."""
+    return (tl.exp(x - m) * units).to(tl.int64)
+
+
+@triton.jit
+def max_and_mass(base, at, V, temperature, units, DIVIDE: tl.constexpr):
+    """One block of a row (the logits at `at`): the max of logits / temperature (exact) and the fixed-point mass of
+    exp(x - that max)."""
+    x = scaled(base, at, V, temperature, DIVIDE)
+    m = tl.max(x, axis=0)
+    return m, tl.sum(fixed_masses(x, m, units), axis=0)
+
+
+@triton.jit
+def row_of_blocks(maxes, masses):
+    """A row from its blocks' maxes and masses (vectors; -inf and 0 past the last block): the row's max (exact),
+    each block's scale exp(its max - the row's) and mass in the row's units (its own mass times the scale, in float64,
+    rounded down; the max's own block as it is; 0 for a block of -inf logits, whatever its own mass), and the row's
+    mass, their integer sum."""
+    m = tl.max(maxes, axis=0)
+    scale = tl.exp(maxes - m)
+    weighted = tl.where(maxes == m, masses, (masses.to(tl.float64) * scale.to(tl.float64)).to(tl.int64))
+    return m, scale, weighted, tl.sum(weighted, axis=0)
 
 
 @triton.jit
@@ -169,81 +193,69 @@ def log_sum_exp(m, mass, unit):
 
 
 @triton.jit
-def row_max_of_blocks(maxes, row, blocks, BLOCKS: tl.constexpr):
-    """A row's max from its blocks' maxes (exact, in any order)."""
-    b = tl.arange(0, BLOCKS)
-    return tl.max(tl.load(maxes + row * blocks + b, mask=b < blocks, other=float("-inf")), axis=0)
-
-
-@triton.jit
-def row_log_z(base, V, temperature, units, unit, CHUNK: tl.constexpr, DIVIDE: tl.constexpr):
-    """(max, mass, log-sum-exp) of one row's V logits / temperature: max exact, mass the fixed-point sum of
-    exp(x - max) (int64, in units: `units` = 1 / `unit` of them make 1), log-sum-exp = max + log(mass * unit)."""
-    offs = tl.arange(0, CHUNK)
-    m = tl.full((), float("-inf"), tl.float32)
-    for c0 in range(0, V, CHUNK):  # the max of the logits, divided once after (block_max says why: the same bits)
-        m = tl.maximum(m, tl.max(raw(base, c0 + offs, V), axis=0))
-    m = divided(m, temperature, DIVIDE)
-    mass = tl.zeros((), tl.int64)
+def row_log_z(base, V, temperature, units, unit, CHUNK: tl.constexpr, BLOCKS: tl.constexpr, DIVIDE: tl.constexpr):
+    """(max, mass, log-sum-exp) of one row's V logits / temperature, from its blocks of CHUNK as the draw cuts it
+    (`row_of_blocks`): log-sum-exp = max + log(mass * unit)."""
+    offs, b = tl.arange(0, CHUNK), tl.arange(0, BLOCKS)
+    maxes = tl.full((BLOCKS,), float("-inf"), tl.float32)
+    masses = tl.zeros((BLOCKS,), tl.int64)
     for c0 in range(0, V, CHUNK):
-        mass += tl.sum(fixed_masses(base, c0 + offs, V, temperature, m, units, DIVIDE), axis=0)
+        top, mass = max_and_mass(base, c0 + offs, V, temperature, units, DIVIDE)
+        here = b == c0 // CHUNK
+        maxes, masses = tl.where(here, top, maxes), tl.where(here, mass, masses)
+    m, _, _, mass = row_of_blocks(maxes, masses)
     return m, mass, log_sum_exp(m, mass, unit)
 
 
 @triton.jit
 def token_log_probs(x, s_row, targets, log_probs, log_z, V, temperature, units, unit, CHUNK: tl.constexpr,
-                    DIVIDE: tl.constexpr):
+                    BLOCKS: tl.constexpr, DIVIDE: tl.constexpr):
     """Each row's log-prob of its target, as `sample` reports it for the token it draws; and its log-sum-exp."""
     row = tl.program_id(0).to(tl.int64)
     base = x + row * s_row
-    _, _, z = row_log_z(base, V, temperature, units, unit, CHUNK, DIVIDE)
+    _, _, z = row_log_z(base, V, temperature, units, unit, CHUNK, BLOCKS, DIVIDE)
     target = tl.load(targets + row)
     tl.store(log_probs + row, scaled(base, target, V, temperature, DIVIDE) - z)
     tl.store(log_z + row, z)
 
 
 @triton.jit
-def block_max(logits, s_row, maxes, V, temperature, CHUNK: tl.constexpr, DIVIDE: tl.constexpr):
-    """The draw's first pass, one program per (row, block of CHUNK logits): the block's max of logits / temperature,
-    as the max of the logits divided once (rounded division by a positive number keeps the order: the same bits)."""
+def block_masses(logits, s_row, maxes, masses, V, temperature, units, CHUNK: tl.constexpr, DIVIDE: tl.constexpr):
+    """The draw's one pass over the logits, a program per (row, block of CHUNK logits): the block's max and mass
+    (`max_and_mass`)."""
     row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    at = block * CHUNK + tl.arange(0, CHUNK)
-    top = tl.max(raw(logits + row * s_row, at, V), axis=0)
-    tl.store(maxes + row * tl.num_programs(1) + block, divided(top, temperature, DIVIDE))
-
-
-@triton.jit
-def block_mass(logits, s_row, maxes, masses, V, temperature, units, CHUNK: tl.constexpr, BLOCKS: tl.constexpr,
-               DIVIDE: tl.constexpr):
-    """The second pass: the row's max (of the block maxes, exact), then the block's fixed-point mass."""
-    row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    blocks = tl.num_programs(1)
-    m = row_max_of_blocks(maxes, row, blocks, BLOCKS)
-    at = block * CHUNK + tl.arange(0, CHUNK)
-    tl.store(masses + row * blocks + block,
-             tl.sum(fixed_masses(logits + row * s_row, at, V, temperature, m, units, DIVIDE), axis=0))
+    top, mass = max_and_mass(logits + row * s_row, block * CHUNK + tl.arange(0, CHUNK), V, temperature, units, DIVIDE)
+    at = row * tl.num_programs(1) + block
+    tl.store(maxes + at, top)
+    tl.store(masses + at, mass)
 
 
 @triton.jit
 def draw(logits, s_row, maxes, masses, uniforms, tokens, log_probs, V, temperature, units, unit, blocks,
          CHUNK: tl.constexpr, BLOCKS: tl.constexpr, DIVIDE: tl.constexpr):
-    """The last step, one program per row: the row's mass (the blocks' integer masses added), the block whose
-    cumulative mass first exceeds uniform * mass, then the token within it; its log-prob as `token_log_probs`
-    computes it. All sums are integers, so a token's interval does not depend on how the row was cut."""
+    """The last step, one program per row: the row's mass from its blocks' (`row_of_blocks`), the block whose
+    cumulative mass first exceeds uniform * mass, then the token within it, by the block's own masses (the remainder
+    brought back to the block's units); its log-prob as `token_log_probs` computes it. The sums are integers, so a
+    token's interval does not depend on the order a block's logits are added in."""
     row = tl.program_id(0).to(tl.int64)
     base = logits + row * s_row
-    m = row_max_of_blocks(maxes, row, blocks, BLOCKS)
     b = tl.arange(0, BLOCKS)
-    per_block = tl.load(masses + row * blocks + b, mask=b < blocks, other=0)
-    mass = tl.sum(per_block, axis=0)
+    tops = tl.load(maxes + row * blocks + b, mask=b < blocks, other=float("-inf"))
+    own = tl.load(masses + row * blocks + b, mask=b < blocks, other=0)
+    m, scale, weighted, mass = row_of_blocks(tops, own)
     z = log_sum_exp(m, mass, unit)
     target = (tl.load(uniforms + row) * mass.to(tl.float64)).to(tl.int64)  # in [0, mass)
-    ends = tl.cumsum(per_block, axis=0)
+    ends = tl.cumsum(weighted, axis=0)
     block = tl.minimum(tl.sum((ends <= target).to(tl.int32), axis=0), blocks - 1)  # first block ending past it
-    below = tl.sum(tl.where(b < block, per_block, 0), axis=0)
+    here = b == block
+    rest = target - tl.sum(tl.where(b < block, weighted, 0), axis=0)  # in [0, the block's weighted mass)
+    top = tl.max(tl.where(here, tops, float("-inf")), axis=0)
+    own_mass = tl.sum(tl.where(here, own, 0), axis=0)
+    own_scale = tl.sum(tl.where(here, scale, 0.0), axis=0).to(tl.float64)
+    rest = tl.where(top == m, rest, tl.minimum((rest.to(tl.float64) / own_scale).to(tl.int64), own_mass - 1))
     at = block * CHUNK + tl.arange(0, CHUNK)
-    cdf = below + tl.cumsum(fixed_masses(base, at, V, temperature, m, units, DIVIDE), axis=0)
-    token = block * CHUNK + tl.sum((cdf <= target).to(tl.int64), axis=0)
+    cdf = tl.cumsum(fixed_masses(scaled(base, at, V, temperature, DIVIDE), top, units), axis=0)
+    token = block * CHUNK + tl.sum((cdf <= rest).to(tl.int64), axis=0)
     token = tl.minimum(token, V - 1)
     tl.store(tokens + row, token)
     tl.store(log_probs + row, scaled(base, token, V, temperature, DIVIDE) - z)

@@ -10,7 +10,10 @@ graphs; without, at their count).
 
 All per-slot state lives on the device, and a step queues without waiting for it; the host looks
 at it only every `check_every` steps (one sync each: 16 on a GPU, 1 on a CPU). A row finished
-between checks decodes on masked: it writes nothing the results keep.
+between checks decodes on masked: it writes nothing the results keep. On a GPU a check reads the
+done flags as they stood before the last step it queued (copied to pinned memory then), so the GPU
+runs that step while the host frees, admits and queues the next ones; a row done in that step is
+freed at the check after.
 
 Token k of request r is sampled with uniforms[r, k], whatever slot, batch or step it ran in: the
 tokens depend on the request's prompt and stream, and on the other rows only through
@@ -41,6 +44,7 @@ from miles.utils.cpu_threads import StepThreads, runnable_elsewhere, step_thread
 logger = logging.getLogger("miles")
 
 FUSED_ADVANCE = True  # on a GPU, _advance's updates in advance.py's kernel (engine_decode.py's -torchadvance: off)
+LAGGED_CHECKS = True  # on a GPU, checks read the done flags before the last queued step (engine_decode.py's -drained)
 
 
 class ContinuousBatcher:
@@ -118,6 +122,10 @@ class _Call:
         # age, the steps since, bounds its cached length and the tokens it may still draw: `_reach`)
         self.limits = limits
         self.step_count = 0
+        # On a GPU: the done flags before a group's last step, and the event that says they have arrived.
+        lagged = LAGGED_CHECKS and dev.type == "cuda"
+        self.seen = torch.empty(slots, dtype=torch.bool, pin_memory=True) if lagged else None
+        self.seen_at: torch.cuda.Event | None = None
 
     def run(self) -> None:
         queued = 1
@@ -133,16 +141,33 @@ class _Call:
             longest, left = self._reach(occupied)
             queued = min(self.b.check_every, left) or (0 if queued else 1)
             for i in range(queued):  # the longest row's cached length grows a column a step
+                if i == queued - 1 and self.seen is not None:
+                    self._look()
                 self._step(occupied, min(longest + i, self.runner.cache.length))
 
     # -- the host's checks -------------------------------------------------------------------------
+
+    def _look(self) -> None:
+        """Copies the done flags to pinned memory once the queued steps have run (the next check reads them)."""
+        self.seen.copy_(self.done, non_blocking=True)
+        self.seen_at = torch.cuda.Event()
+        self.seen_at.record()
+
+    def _done(self) -> list[bool]:
+        """The done flags: as `_look` copied them, once they have arrived; else now (waiting for every queued step)."""
+        if self.seen_at is None:
+            return self.done.tolist()
+        self.seen_at.synchronize()
+        self.seen_at = None
+        return self.seen.tolist()
 
     def _harvest(self) -> None:
         """Frees the slots whose rows are done (one device sync)."""
         occupied = [s for s, r in enumerate(self.owner) if r is not None]
         if not occupied:
+            self.seen_at = None
             return
-        done = self.done.tolist()
+        done = self._done()
         freed = [s for s in occupied if done[s]]
         if not freed:
             return
@@ -198,8 +223,8 @@ class _Call:
     def _reach(self, occupied: list[int]) -> tuple[int, int]:
         """Over the occupied slots, the most cached columns after the next step (an upper bound: a row's prompt, the
         prefill's token and one a step since it joined) and the most tokens a row may still draw (its budget less
-        those; fewer if an EOS came). One pass over the slots a check, none a step: after a check the GPU, its queue
-        drained, waits for this and the next step's launch (0.47-0.57 ms a check at batch 512 on an H100 before)."""
+        those; fewer if an EOS came). One pass over the slots a check, none a step: a check's host work is time the
+        GPU's last queued step must cover (on a CPU, or with none queued, time the device waits)."""
         prompts, limits, owner, joined = self.prompts, self.limits, self.owner, self.joined
         reach = max(len(prompts[owner[s]]) + 1 - joined[s] for s in occupied)
         end = max(limits[owner[s]] - 1 + joined[s] for s in occupied)
