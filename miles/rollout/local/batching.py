@@ -148,7 +148,7 @@ class _Call:
     # -- the host's checks -------------------------------------------------------------------------
 
     def _look(self) -> None:
-        """Copies the done flags to pinned memory once the queued steps have run (the next check reads them)."""
+        """Queues a copy of the done flags to pinned memory after the steps queued so far (the next check reads it)."""
         self.seen.copy_(self.done, non_blocking=True)
         self.seen_at = torch.cuda.Event()
         self.seen_at.record()
