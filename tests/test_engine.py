@@ -258,6 +258,25 @@ def test_the_steps_queued_between_checks_stop_at_the_last_token_any_row_may_draw
         [o.token_ids for o in outs]
 
 
+def test_a_prefill_packs_the_waiting_prompts_up_to_its_token_budget(tiny_model):
+    """Newcomers are prefilled packed, as many as fit the engine's prefill budget (a prompt longer than it alone):
+    with a budget of 30 tokens, 8 prompts of 1-23 tokens (98 in all) take several forwards, none over 30 tokens,
+    every prompt in one of them, and the tokens are the reference's."""
+    engine, tok = make_engine(tiny_model)
+    engine.decoder.prefill_tokens = 30
+    calls, prefill = [], engine.runner.prefill
+    engine.runner.prefill = lambda slots, prompts: calls.append(prompts) or prefill(slots, prompts)
+    prompts = [tok(t)["input_ids"] for t in ("hello", "a much longer prompt", "x", "what is seven plus two?")] * 2
+    assert max(map(len, prompts)) < 30 < sum(map(len, prompts))
+    sampling = sp(6, 1.0, 1.0)
+    u = torch.rand(len(prompts), 6, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    got = engine.decode(prompts, sampling, u)
+    assert len(calls) > 1 and all(sum(map(len, c)) <= 30 for c in calls), [list(map(len, c)) for c in calls]
+    assert sorted(p for c in calls for p in c) == sorted(prompts)
+    want = eager_decode(engine.model, prompts, sampling, u, set(engine.eos_token_ids), tok.pad_token_id)
+    assert [o.token_ids for o in got] == [tokens for tokens, _ in want]
+
+
 def test_a_row_moved_down_a_slot_keeps_its_age(tiny_model):
     """2 slots, 3 requests, 4 steps between checks: a short row in slot 0 finishes, the next request takes slot 0
     later and finishes too, and the long row of slot 1, prefilled first, moves down into slot 0. Its cached length
