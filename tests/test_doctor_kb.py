@@ -203,6 +203,24 @@ def test_the_classifier_learns_a_culprit_from_its_cases_causes_too():
     assert index.match("our zentrix spindle keeps snapping").ranked_culprits()[0] == "reward_bug"
 
 
+def test_the_classifier_matches_a_words_inflections_and_fragments():
+    """The classifier also reads 2-4 character n-grams within words: a report whose words are other forms of a
+    known cause's words (no word in common) is ranked to that cause's culprit."""
+    import dataclasses
+
+    from miles.debug.doctor.retrieval import CaseIndex
+
+    base, noise = cases()[0], distractors()[0]
+    blank = dict(title="", report="", signature=(), fix="", evidence="")
+    a, b = "quorbelizing flanges wobbled", "zentrixes spindled snappily"  # each in two documents: its report, its cause
+    known = [dataclasses.replace(base, id="a", culprit="fp8_overflow", symptom=a, culprit_detail=a, **blank),
+             dataclasses.replace(base, id="b", culprit="reward_bug", symptom=b, culprit_detail=b, **blank),
+             dataclasses.replace(noise, id="n")]
+    index = CaseIndex(known, profiles=False)
+    assert index.match("a quorbelized flange").ranked_culprits()[0] == "fp8_overflow"
+    assert index.match("one zentrix spindle").ranked_culprits()[0] == "reward_bug"
+
+
 def test_the_same_base_gives_the_same_classifiers_whatever_the_random_state():
     """liblinear's solver visits the documents in a random order; the doctor seeds it, so a base gives the same
     weights in every process (numpy's global state, which an unseeded solver draws from, differs between them)."""
@@ -244,15 +262,15 @@ def test_the_known_failure_check_reads_a_known_report_as_the_doctor_reads_it_pas
 
 
 def test_leave_one_out_accuracy_and_false_alarms_hold(evaluation):
-    """The README's numbers, each case matched against the base without it, must not fall: top-1 69.5% (244/351)
-    and top-3 76.4% (268/351) (the issue's target, 80% top-1, is not met), false alarms 4.8% (6/126) on 126
+    """The README's numbers, each case matched against the base without it, must not fall: top-1 70.7% (248/351)
+    and top-3 76.9% (270/351) (the issue's target, 80% top-1, is not met), false alarms 4.8% (6/126) on 126
     distractors, 26 of them near misses (target <= 5%). The classifiers are seeded, so the figures are exact for a
     given scikit-learn; the floors leave 3 cases for another release's solver (losing the api_mismatch rule costs 5)."""
     outcomes, alarms = evaluation
     top1 = sum(o.top1 for o in outcomes) / len(outcomes)
     top3 = sum(o.top3 for o in outcomes) / len(outcomes)
     false = sum(bool(o.named) for o in alarms) / len(alarms)
-    assert top1 >= 240 / 351 and top3 >= 265 / 351, f"leave-one-out top-1 {top1:.1%}, top-3 {top3:.1%}"
+    assert top1 >= 245 / 351 and top3 >= 267 / 351, f"leave-one-out top-1 {top1:.1%}, top-3 {top3:.1%}"
     assert false <= 0.05, f"false alarms on distractors {false:.1%}"
 
 

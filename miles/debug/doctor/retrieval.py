@@ -3,7 +3,7 @@
 Two well-kept libraries, each for what it does well:
 
 - Which culprit: a linear classifier (scikit-learn's LinearSVC over TF-IDF words, each camelCase or
-  snake_case identifier also split into its parts: see `words`) trained on every
+  snake_case identifier also split into its parts: see `words`, and 2-4 character n-grams) trained on every
   known case (its report and, as a second document, the cause its maintainers established, both labelled with
   its culprit), every distractor (class "none": a real report whose cause is none of the
   culprits) and each culprit's profile (culprits.json `signals`, the words its reports use, given five
@@ -53,6 +53,11 @@ SVM_C = 0.5  # with PROFILE_REPEATS, picked on the leave-one-out evaluation itse
 # 59.3% top-1 (top-3 65.6%) at 5.3% alarms for this design, 59.2% (65.4%) at 5.7% for the previous one: fewer
 # alarms at the same top-1, a small gain (alarms fewer in 9 of the 20 shuffles, more in 4; lower than leave-one-out
 # as each model sees 4/5 of the base).
+# The culprit classifier's features: the TF-IDF of `words` beside that of the 2-4 character n-grams within words
+# (char_wb) in 2 documents or more, which match an error's fragments and inflections the words miss. Ten-fold
+# cross-validation over the base (3 shuffles), culprit ranked first before the relevance check: 74.6% with the words
+# alone, 77.1% with the n-grams ((3, 5): 76.3%, (1, 3): 77.0%).
+CHAR_GRAMS = (2, 4)
 RELEVANCE_C = 1.0
 RELEVANCE_THRESHOLD = 0.4
 _HASH_FEATURES = 2 ** 20
@@ -136,6 +141,7 @@ class CaseIndex:
 
     def __init__(self, cases: Sequence[Case], profiles: bool = True):
         import bm25s
+        from scipy.sparse import hstack
         from sklearn.feature_extraction.text import TfidfVectorizer
         from sklearn.svm import LinearSVC
 
@@ -155,11 +161,14 @@ class CaseIndex:
             [t for _, t in self.profiles] * PROFILE_REPEATS
         labels = [c.culprit or NONE for c in self.cases] + [c.culprit for c in known] + \
             [k for k, _ in self.profiles] * PROFILE_REPEATS
-        self.vectorizer = TfidfVectorizer(analyzer=words, sublinear_tf=True)
+        self.vectorizers = (TfidfVectorizer(analyzer=words, sublinear_tf=True),
+                            TfidfVectorizer(analyzer="char_wb", ngram_range=CHAR_GRAMS, sublinear_tf=True, min_df=2))
         # random_state: liblinear's dual solver visits the documents in a random order; seeded, the same base gives
         # the same weights in every process (unseeded they differed by ~1e-5, enough to move a finding at its bar).
-        self.classifier = LinearSVC(C=SVM_C, random_state=0).fit(self.vectorizer.fit_transform(texts), labels) \
-            if len(set(labels)) > 1 else None
+        self.classifier = None
+        if len(set(labels)) > 1:
+            features = hstack([v.fit_transform(texts) for v in self.vectorizers]).tocsr()
+            self.classifier = LinearSVC(C=SVM_C, random_state=0).fit(features, labels)
         self.detector = None  # known failure or not: cases against distractors
         is_case = [c.culprit is not None for c in self.cases]
         if len(set(is_case)) > 1:
@@ -188,9 +197,11 @@ class CaseIndex:
         return hstack([tfidf.transform(counts[:, cols]) for cols, tfidf in self.gram_tfidf]).tocsr()
 
     def match(self, text: str) -> Match:
+        from scipy.sparse import hstack
+
         if self.classifier is None:
             return Match([], {})
-        scores = self.classifier.decision_function(self.vectorizer.transform([text]))[0]
+        scores = self.classifier.decision_function(hstack([v.transform([text]) for v in self.vectorizers]).tocsr())[0]
         ranked = sorted(((None if k == NONE else str(k), float(v)) for k, v in zip(self.classifier.classes_, scores)),
                         key=lambda kv: -kv[1])
         relevance = 1.0  # no distractors to tell known failures from: every input is one
