@@ -54,7 +54,7 @@ SVM_C = 0.5  # with PROFILE_REPEATS, picked on the leave-one-out evaluation itse
 # alarms at the same top-1, a small gain (alarms fewer in 9 of the 20 shuffles, more in 4; lower than leave-one-out
 # as each model sees 4/5 of the base).
 # The culprit classifier's features: the TF-IDF of `words` beside that of the 2-4 character n-grams within words
-# (char_wb) in 2 documents or more, which match an error's fragments and inflections the words miss. Ten-fold
+# (char_wb, hashed) in 2 documents or more, which match an error's fragments and inflections the words miss. Ten-fold
 # cross-validation over the base (3 shuffles), culprit ranked first before the relevance check: 74.6% with the words
 # alone, 77.1% with the n-grams ((3, 5): 76.3%, (1, 3): 77.0%).
 CHAR_GRAMS = (2, 4)
@@ -114,6 +114,21 @@ def gram_counts(texts: Sequence[str]):
     return vstack([_gram_counts(t) for t in texts]).tocsr()
 
 
+@functools.lru_cache(maxsize=4096)
+def _char_counts(text: str):
+    """TEXT's counts of the culprit classifier's character n-grams (CHAR_GRAMS within words), hashed (cached)."""
+    from sklearn.feature_extraction.text import HashingVectorizer
+
+    return HashingVectorizer(n_features=_HASH_FEATURES, alternate_sign=False, norm=None, analyzer="char_wb",
+                             ngram_range=CHAR_GRAMS).transform([text])
+
+
+def char_counts(texts: Sequence[str]):
+    from scipy.sparse import vstack
+
+    return vstack([_char_counts(t) for t in texts]).tocsr()
+
+
 @dataclass
 class Match:
     ranked: list[tuple[str | None, float]]  # (culprit, classifier score), best first; None: "none of these"
@@ -142,7 +157,7 @@ class CaseIndex:
     def __init__(self, cases: Sequence[Case], profiles: bool = True):
         import bm25s
         from scipy.sparse import hstack
-        from sklearn.feature_extraction.text import TfidfVectorizer
+        from sklearn.feature_extraction.text import TfidfTransformer, TfidfVectorizer
         from sklearn.svm import LinearSVC
 
         self.cases = list(cases)
@@ -161,13 +176,16 @@ class CaseIndex:
             [t for _, t in self.profiles] * PROFILE_REPEATS
         labels = [c.culprit or NONE for c in self.cases] + [c.culprit for c in known] + \
             [k for k, _ in self.profiles] * PROFILE_REPEATS
-        self.vectorizers = (TfidfVectorizer(analyzer=words, sublinear_tf=True),
-                            TfidfVectorizer(analyzer="char_wb", ngram_range=CHAR_GRAMS, sublinear_tf=True, min_df=2))
+        self.vectorizer = TfidfVectorizer(analyzer=words, sublinear_tf=True)
         # random_state: liblinear's dual solver visits the documents in a random order; seeded, the same base gives
         # the same weights in every process (unseeded they differed by ~1e-5, enough to move a finding at its bar).
         self.classifier = None
         if len(set(labels)) > 1:
-            features = hstack([v.fit_transform(texts) for v in self.vectorizers]).tocsr()
+            chars = char_counts(texts)
+            self.char_cols = np.flatnonzero(np.asarray((chars > 0).sum(0)).ravel() >= 2)  # in 2 documents or more
+            chars = chars[:, self.char_cols]
+            self.char_tfidf = TfidfTransformer(sublinear_tf=True).fit(chars)
+            features = hstack([self.vectorizer.fit_transform(texts), self.char_tfidf.transform(chars)])
             self.classifier = LinearSVC(C=SVM_C, random_state=0).fit(features, labels)
         self.detector = None  # known failure or not: cases against distractors
         is_case = [c.culprit is not None for c in self.cases]
@@ -201,7 +219,8 @@ class CaseIndex:
 
         if self.classifier is None:
             return Match([], {})
-        scores = self.classifier.decision_function(hstack([v.transform([text]) for v in self.vectorizers]).tocsr())[0]
+        chars = self.char_tfidf.transform(char_counts([text])[:, self.char_cols])
+        scores = self.classifier.decision_function(hstack([self.vectorizer.transform([text]), chars]).tocsr())[0]
         ranked = sorted(((None if k == NONE else str(k), float(v)) for k, v in zip(self.classifier.classes_, scores)),
                         key=lambda kv: -kv[1])
         relevance = 1.0  # no distractors to tell known failures from: every input is one
