@@ -114,13 +114,18 @@ def gram_counts(texts: Sequence[str]):
     return vstack([_gram_counts(t) for t in texts]).tocsr()
 
 
-@functools.lru_cache(maxsize=4096)
-def _char_counts(text: str):
-    """TEXT's counts of the culprit classifier's character n-grams (CHAR_GRAMS within words), hashed (cached)."""
+@functools.cache
+def _char_hasher():
     from sklearn.feature_extraction.text import HashingVectorizer
 
     return HashingVectorizer(n_features=_HASH_FEATURES, alternate_sign=False, norm=None, analyzer="char_wb",
-                             ngram_range=CHAR_GRAMS).transform([text])
+                             ngram_range=CHAR_GRAMS)
+
+
+@functools.lru_cache(maxsize=4096)
+def _char_counts(text: str):
+    """TEXT's counts of the culprit classifier's character n-grams (CHAR_GRAMS within words), hashed (cached)."""
+    return _char_hasher().transform([text])
 
 
 def char_counts(texts: Sequence[str]):
