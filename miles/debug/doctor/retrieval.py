@@ -89,49 +89,57 @@ def words(text: str) -> list[str]:
     return tokens(text) + [p for p in parts if len(p) > 1 and p not in _STOP]
 
 
+# Hashed n-gram counts, each a tuple of (analyzer, n-gram range) blocks of _HASH_FEATURES columns side by side: the
+# known-failure detector's words and 3-5 character n-grams, the culprit classifier's CHAR_GRAMS character n-grams.
+DETECTOR_GRAMS = ((tokens, (1, 1)), ("char_wb", (3, 5)))
+CLASSIFIER_GRAMS = (("char_wb", CHAR_GRAMS),)
+
+
 @functools.cache
-def _hashers():
+def _hasher(analyzer, ngram_range: tuple[int, int]):
     from sklearn.feature_extraction.text import HashingVectorizer
 
-    def make(**kw):
-        return HashingVectorizer(n_features=_HASH_FEATURES, alternate_sign=False, norm=None, **kw)
-
-    return make(analyzer=tokens), make(analyzer="char_wb", ngram_range=(3, 5))
+    return HashingVectorizer(n_features=_HASH_FEATURES, alternate_sign=False, norm=None, analyzer=analyzer,
+                             ngram_range=ngram_range)
 
 
-@functools.lru_cache(maxsize=4096)
-def _gram_counts(text: str):
-    """TEXT's counts of words and of 3-5 character n-grams, hashed side by side (cached: the leave-one-out
-    evaluation builds an index per case over the same documents)."""
+@functools.lru_cache(maxsize=8192)
+def _counts(text: str, grams: tuple):
+    """TEXT's hashed counts of GRAMS (cached: the leave-one-out evaluation builds an index per case over the same
+    documents)."""
     from scipy.sparse import hstack
 
-    return hstack([h.transform([text]) for h in _hashers()]).tocsr()
+    return hstack([_hasher(a, r).transform([text]) for a, r in grams]).tocsr()
 
 
-def gram_counts(texts: Sequence[str]):
+def hashed_counts(texts: Sequence[str], grams: tuple):
     from scipy.sparse import vstack
 
-    return vstack([_gram_counts(t) for t in texts]).tocsr()
+    return vstack([_counts(t, grams) for t in texts]).tocsr()
 
 
-@functools.cache
-def _char_hasher():
-    from sklearn.feature_extraction.text import HashingVectorizer
+class FrequentTfidf:
+    """Sublinear TF-IDF over the hashed columns that enough documents hold: MIN_DF[i] documents or more for the
+    columns of block i (hash collisions aside, a gram seen once says nothing of a class)."""
 
-    return HashingVectorizer(n_features=_HASH_FEATURES, alternate_sign=False, norm=None, analyzer="char_wb",
-                             ngram_range=CHAR_GRAMS)
+    def __init__(self, min_df: Sequence[int]):
+        self.min_df = list(min_df)
+        self.parts: list = []  # (columns, TfidfTransformer) per block
 
+    def fit(self, counts) -> "FrequentTfidf":
+        from sklearn.feature_extraction.text import TfidfTransformer
 
-@functools.lru_cache(maxsize=4096)
-def _char_counts(text: str):
-    """TEXT's counts of the culprit classifier's character n-grams (CHAR_GRAMS within words), hashed (cached)."""
-    return _char_hasher().transform([text])
+        df = np.asarray((counts > 0).sum(0)).ravel()
+        self.parts = []
+        for b, k in enumerate(self.min_df):
+            cols = b * _HASH_FEATURES + np.flatnonzero(df[b * _HASH_FEATURES:(b + 1) * _HASH_FEATURES] >= k)
+            self.parts.append((cols, TfidfTransformer(sublinear_tf=True).fit(counts[:, cols])))
+        return self
 
+    def transform(self, counts):
+        from scipy.sparse import hstack
 
-def char_counts(texts: Sequence[str]):
-    from scipy.sparse import vstack
-
-    return vstack([_char_counts(t) for t in texts]).tocsr()
+        return hstack([tfidf.transform(counts[:, cols]) for cols, tfidf in self.parts]).tocsr()
 
 
 @dataclass
@@ -162,7 +170,7 @@ class CaseIndex:
     def __init__(self, cases: Sequence[Case], profiles: bool = True):
         import bm25s
         from scipy.sparse import hstack
-        from sklearn.feature_extraction.text import TfidfTransformer, TfidfVectorizer
+        from sklearn.feature_extraction.text import TfidfVectorizer
         from sklearn.svm import LinearSVC
 
         self.cases = list(cases)
@@ -186,10 +194,8 @@ class CaseIndex:
         # the same weights in every process (unseeded they differed by ~1e-5, enough to move a finding at its bar).
         self.classifier = None
         if len(set(labels)) > 1:
-            chars = char_counts(texts)
-            self.char_cols = np.flatnonzero(np.asarray((chars > 0).sum(0)).ravel() >= 2)  # in 2 documents or more
-            chars = chars[:, self.char_cols]
-            self.char_tfidf = TfidfTransformer(sublinear_tf=True).fit(chars)
+            chars = hashed_counts(texts, CLASSIFIER_GRAMS)
+            self.char_tfidf = FrequentTfidf([2]).fit(chars)
             features = hstack([self.vectorizer.fit_transform(texts), self.char_tfidf.transform(chars)])
             self.classifier = LinearSVC(C=SVM_C, random_state=0).fit(features, labels)
         self.detector = None  # known failure or not: cases against distractors
@@ -202,35 +208,29 @@ class CaseIndex:
         TF-IDF of the words (any) and of the character n-grams in 2 documents or more (each unit length) of
         the documents as pasted."""
         from scipy.sparse import vstack
-        from sklearn.feature_extraction.text import TfidfTransformer
         from sklearn.svm import LinearSVC
 
-        counts = gram_counts([as_pasted(c.text) for c in self.cases])
-        df = np.asarray((counts > 0).sum(0)).ravel()
-        blocks = [np.flatnonzero(df[:_HASH_FEATURES] >= 1), _HASH_FEATURES + np.flatnonzero(df[_HASH_FEATURES:] >= 2)]
-        self.gram_tfidf = [(cols, TfidfTransformer(sublinear_tf=True).fit(counts[:, cols])) for cols in blocks]
-        docs = vstack([counts, gram_counts([t for _, t in self.profiles])]).tocsr() if self.profiles else counts
+        counts = hashed_counts([as_pasted(c.text) for c in self.cases], DETECTOR_GRAMS)
+        self.gram_tfidf = FrequentTfidf([1, 2]).fit(counts)
+        docs = counts
+        if self.profiles:
+            docs = vstack([counts, hashed_counts([t for _, t in self.profiles], DETECTOR_GRAMS)]).tocsr()
         return LinearSVC(C=RELEVANCE_C, class_weight="balanced", random_state=0).fit(
-            self.grams(docs), is_case + [True] * len(self.profiles))
-
-    def grams(self, counts):
-        """The detector's features of documents' gram_counts."""
-        from scipy.sparse import hstack
-
-        return hstack([tfidf.transform(counts[:, cols]) for cols, tfidf in self.gram_tfidf]).tocsr()
+            self.gram_tfidf.transform(docs), is_case + [True] * len(self.profiles))
 
     def match(self, text: str) -> Match:
         from scipy.sparse import hstack
 
         if self.classifier is None:
             return Match([], {})
-        chars = self.char_tfidf.transform(char_counts([text])[:, self.char_cols])
+        chars = self.char_tfidf.transform(hashed_counts([text], CLASSIFIER_GRAMS))
         scores = self.classifier.decision_function(hstack([self.vectorizer.transform([text]), chars]).tocsr())[0]
         ranked = sorted(((None if k == NONE else str(k), float(v)) for k, v in zip(self.classifier.classes_, scores)),
                         key=lambda kv: -kv[1])
         relevance = 1.0  # no distractors to tell known failures from: every input is one
         if self.detector is not None:
-            relevance = float(self.detector.decision_function(self.grams(gram_counts([text])))[0]) - RELEVANCE_THRESHOLD
+            relevance = float(self.detector.decision_function(
+                self.gram_tfidf.transform(hashed_counts([text], DETECTOR_GRAMS)))[0]) - RELEVANCE_THRESHOLD
         closest: dict[str, list[tuple[Case, float]]] = {}
         known = [w for w in tokens(text) if w in self.idf]
         if known:

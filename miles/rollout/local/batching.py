@@ -164,8 +164,7 @@ class _Call:
     def _harvest(self) -> None:
         """Frees the slots whose rows are done (one device sync)."""
         occupied = [s for s, r in enumerate(self.owner) if r is not None]
-        if not occupied:
-            self.seen_at = None
+        if not occupied:  # (a copy is queued only before steps of occupied rows, which stay so until read here)
             return
         done = self._done()
         freed = [s for s in occupied if done[s]]
