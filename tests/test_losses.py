@@ -34,6 +34,13 @@ def test_low_var_kl_clamps():
     assert KL_ESTIMATORS["k3"](T([0.0]), T([-30.0])).item() == pytest.approx(29.0, abs=1e-5)
 
 
+def test_low_var_kl_gradient_stays_finite_on_a_huge_ratio():
+    # ref - p = 100: e^100 overflows fp32; the input clamp keeps the clamped output's gradient 0, not 0 * inf = NaN.
+    logp = T([-100.0], requires_grad=True)
+    KL_ESTIMATORS["low_var_kl"](logp, T([0.0])).sum().backward()
+    assert torch.isfinite(logp.grad).all()
+
+
 @pytest.mark.parametrize("ratio, adv, loss, clipped", [
     (1.5, 1.0, -1.2, 1.0),   # good sample pushed too far up: clipped at 1 + 0.2
     (1.5, -1.0, 1.5, 0.0),   # bad sample whose ratio grew: the unclipped (larger) loss wins

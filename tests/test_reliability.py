@@ -287,6 +287,23 @@ def test_leftover_temp_dirs_are_removed_and_old_checkpoints_pruned(tiny_args):
     assert "Removed unfinished checkpoint dirs" in (out / "train.log").read_text()
 
 
+def test_a_checkpoint_holding_nan_is_refused_and_the_last_one_kept(tiny_model, tmp_path):
+    # The last guard before disk: whatever let a NaN into the weights, save_checkpoint writes nothing of it.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from miles.errors import CheckFailed
+    from miles.train.checkpoint import find_latest_checkpoint, save_checkpoint
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_model), AutoTokenizer.from_pretrained(tiny_model)
+    save_checkpoint(tmp_path, 1, model, tokenizer, {"optimizer": {}})
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
+    with pytest.raises(CheckFailed, match="holds NaN"):
+        save_checkpoint(tmp_path, 2, model, tokenizer, {"optimizer": {}})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
+    assert find_latest_checkpoint(tmp_path).name == "step_1"
+
+
 def test_a_torn_metrics_line_is_repaired_on_resume(tiny_args):
     out = run(tiny_args, "--save-interval", "1")
     with open(out / "metrics.jsonl", "a") as f:

@@ -136,6 +136,14 @@ def test_math_wrong_answer(response):
     assert math(response, GSM8K_LABEL) == 0.0
 
 
+def test_math_reads_past_gsm8k_calculator_annotations():
+    # A model imitating GSM8K writes <<10-4=6>>: the number the sentence states is the one after it, not the
+    # annotation's result (here they differ).
+    response = "She has 10-4 = <<10-4=6>>5 apples left."
+    assert math(response, 5) == 1.0
+    assert math(response, 6) == 0.0
+
+
 def test_math_label_types():
     assert math("72", 72) == 1.0
     assert math("72", 72.0) == 1.0
