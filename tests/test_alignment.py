@@ -41,6 +41,8 @@ def test_train_vs_engine_bands():
     assert warn.verdict == WARN and "--use-tis" in warn.fix
     fail = check_train_vs_engine(0.9, 8.0, "bf16")
     assert fail.verdict == FAIL and "weight-sync" in fail.culprit and "--check-weight-update-equal" in fail.fix
+    # A small mean can hide a few tokens the engine scores nothing like the trainer: the max alone fails it.
+    assert check_train_vs_engine(0.01, 8.0, "bf16").verdict == FAIL
 
 
 def test_response_nll_bands():
@@ -77,6 +79,8 @@ def test_reward_signal_bands():
     assert constant.verdict == WARN and "every reward is 0.0" in constant.culprit
     some_missing = check_reward_signal(RewardStats(32, 8, 3, [0.0, 1.0], 12, 0, "label"))
     assert some_missing.verdict == WARN and "labels missing 12/32" in some_missing.value
+    unmixed = check_reward_signal(RewardStats(32, 8, 0, [0.0, 1.0], 0, 0, "label"))  # each group all 0 or all 1
+    assert unmixed.verdict == WARN and "no group with mixed rewards" in unmixed.culprit
 
 
 # -- end to end on the tiny model ---------------------------------------------------------------
