@@ -147,6 +147,18 @@ def test_no_generation_prompt():
                           "assistant header '<|im_start|>assistant\\n' that the finished turn puts before the reply")
 
 
+def test_generation_prompt_not_a_prefix_of_the_finished_turn():
+    # Like templates that force a reasoning block open in the prompt (`<think>\n` after the header) and render a
+    # finished turn without it: the engine's prompt is not what the trainer's turn starts with.
+    tok = build_tokenizer()
+    header = "<|im_start|>assistant\n{% endif %}"
+    tok.chat_template = CHATML.replace(header, header.replace("\n", "\n<think>\n"))
+    assert tok.chat_template != CHATML
+    gen = by_name(verify(tok, im_end_ids(tok)))["generation prompt"]
+    assert gen.status == "FAIL"
+    assert "add_generation_prompt=True) is not a prefix of the finished turn" in gen.detail, gen.detail
+
+
 def test_no_end_of_turn_token():
     tok = build_tokenizer()
     tok.chat_template = CHATML.replace("<|im_end|>", "")
