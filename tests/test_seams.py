@@ -73,6 +73,19 @@ def test_in_process_transport_sends_every_parameter(tiny_model):
     assert engine.weight_version == 7
 
 
+def test_weight_digests_fail_a_tensor_the_engine_changed_or_does_not_hold():
+    from miles.bridge.weight_sync import SentTensor, SyncStats, TensorChecksum, verify_digests
+
+    sent = {n: SentTensor([2], "float32", 8, d) for n, d in [("a", "1" * 64), ("b", "2" * 64), ("c", "3" * 64)]}
+    stats = SyncStats(step=1, tensors=3, bytes=24, seconds=0.0)
+    engine = {"a": TensorChecksum("float32", "1" * 64), "b": TensorChecksum("float32", "f" * 64)}  # no "c"
+    verify_digests(stats, sent, engine, debug_level=0)
+    assert stats.mismatched == ["b", "c"] and stats.checksum_ok is False and stats.failed
+    verify_digests(stats, sent, {**engine, "b": TensorChecksum("float32", "2" * 64),
+                                 "c": TensorChecksum("float32", "3" * 64)}, debug_level=0)
+    assert stats.mismatched == [] and stats.checksum_ok is True
+
+
 def rollout_cfg():
     return RolloutConfig(batch_size=2, n_samples_per_prompt=3, rm_type="math", custom_rm_path=None, reward_timeout=60,
                          sampling=SamplingParams(max_new_tokens=5, temperature=1.0, top_p=1.0))
