@@ -81,6 +81,15 @@ def test_a_resumed_run_keeps_its_step_0_evaluation_once(tmp_path):
     assert path.read_text() == ""
 
 
+def test_a_step_written_twice_is_kept_once_and_the_copy_set_aside(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 1}, {"step": 2, "v": "first"}, {"step": 2, "v": "again"}, {"step": 3}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert "moved 1 other line" in reconcile(path, 3)
+    assert [json.loads(x) for x in path.read_text().splitlines()] == [rows[0], rows[1], rows[3]]
+    assert [json.loads(x) for x in (tmp_path / "metrics.jsonl.dropped").read_text().splitlines()] == [rows[2]]
+
+
 def test_the_report_draws_the_evaluation_curve(tiny_args, tmp_path, eval_file, capsys):
     out = run(tiny_args, "--num-rollout", "2", "--eval-interval", "1", "--eval-prompt-data", "held", str(eval_file),
               "--output-dir", str(tmp_path / "r"))

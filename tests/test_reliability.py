@@ -218,6 +218,20 @@ def test_a_signal_saves_the_last_finished_step_and_resumes(tiny_args, uninterrup
     assert same_weights(out / "checkpoints" / "step_6", uninterrupted / "checkpoints" / "step_6")
 
 
+def test_a_second_signal_stops_at_once_even_mid_step():
+    from miles.errors import Stopped
+    from miles.utils.stopping import StopSignals
+
+    stops = StopSignals()
+    with pytest.raises(Stopped) as first:
+        with stops.deferred():
+            stops._handle(signal.SIGTERM, None)  # held: the step lands first
+            with pytest.raises(Stopped) as second:
+                stops._handle(signal.SIGINT, None)
+            assert second.value.immediate and second.value.exit_code == 130
+    assert not first.value.immediate and first.value.exit_code == 143
+
+
 def test_a_signal_during_training_lets_the_step_land_then_stops(tiny_args, monkeypatch):
     """SIGTERM while the trainer steps is held: step 1 trains, is recorded and saved, then the run stops."""
     from miles.train import trainer as trainer_module
