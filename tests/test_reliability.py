@@ -318,6 +318,25 @@ def test_a_checkpoint_holding_nan_is_refused_and_the_last_one_kept(tiny_model, t
     assert find_latest_checkpoint(tmp_path).name == "step_1"
 
 
+def test_a_write_that_fails_leaves_the_old_file_and_no_temporary(tmp_path):
+    import stat
+
+    from miles.utils.io import atomic_dir, atomic_path, atomic_write_text, readable_mode
+
+    path = tmp_path / "config.json"
+    atomic_write_text(path, "old")
+    assert stat.S_IMODE(path.stat().st_mode) == readable_mode()  # not mkstemp's 0600
+    with pytest.raises(RuntimeError):
+        with atomic_path(path) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("the disk went away")
+    with pytest.raises(RuntimeError):
+        with atomic_dir(tmp_path / "step_1") as tmp:
+            (tmp / "model.safetensors").write_text("half")
+            raise RuntimeError("the disk went away")
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["config.json"]
+
+
 def test_a_torn_metrics_line_is_repaired_on_resume(tiny_args):
     out = run(tiny_args, "--save-interval", "1")
     with open(out / "metrics.jsonl", "a") as f:
