@@ -740,6 +740,28 @@ def test_sampling_at_a_large_vocabulary_follows_the_reported_distribution():
     assert ((sampled32 <= 0) & (target > 1e-12)).sum().item() > 1000
 
 
+def test_top_k_and_top_p_cut_the_distribution_where_they_say():
+    from miles.rollout.sampling import sampling_cdf
+
+    probs = torch.tensor([[0.1, 0.4, 0.2, 0.3]], dtype=torch.float64)  # likeliest first: tokens 1, 3, 2, 0
+    def kept(top_p, top_k=None):
+        mass = torch.diff(sampling_cdf(probs.log(), top_p, top_k), dim=-1, prepend=torch.zeros(1, 1))
+        return (mass[0] > 0).nonzero().flatten().tolist()
+    assert kept(1.0) == [0, 1, 2, 3]
+    assert kept(1.0, top_k=2) == [1, 3] and kept(1.0, top_k=1) == [1]
+    assert kept(0.5) == [1, 3]  # 0.4 < 0.5: the next token is needed to reach it
+    assert kept(0.35) == [1] and kept(0.75) == [1, 2, 3]  # (at exactly 0.4 the next one stays, as in SGLang)
+    assert kept(0.75, top_k=2) == [1, 3]  # inside both cuts
+
+
+def test_a_samples_random_stream_depends_on_its_seed_rollout_and_index_only():
+    # Pinned: a captured run's samples must draw the same numbers on any machine and any later miles version.
+    from miles.rollout.sampling import sample_seed
+
+    assert sample_seed(42, 3, 0) == 3567722126139448721 and sample_seed(42, 3, 1) == 5961009303843704054
+    assert len({sample_seed(s, r, i) for s in (1, 2) for r in (1, 2) for i in (0, 1)}) == 8
+
+
 @pytest.mark.parametrize("vocab", [151_936, 1000, 129, 7])
 def test_the_blocked_search_draws_what_a_full_cdf_search_draws(vocab):
     """The two-level inverse CDF (block masses, then the block's own CDF) picks, for every uniform,
