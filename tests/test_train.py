@@ -174,6 +174,59 @@ def test_tis_metrics(tiny_args):
     assert all(r["train/tis_clipfrac"] == 0.0 for r in rows)
 
 
+def first_step_metrics(tiny_model, samples, ref=None, zero_head=False, **cfg):
+    """Trainer.train's metrics for one optimizer step of the tiny model on `samples`."""
+    from test_seams import train_cfg
+
+    from miles.train.trainer import Trainer
+    from miles.utils.models import load_causal_lm
+
+    model = load_causal_lm(tiny_model, device="cpu", attention_backend="sdpa")
+    if zero_head:
+        with torch.no_grad():
+            model.get_output_embeddings().weight.zero_()
+    trainer = Trainer(train_cfg(**cfg), model, ref, temperature=1.0, group_size=3, pad_token_id=1, precision="fp32")
+    return trainer.train(samples).metrics
+
+
+@pytest.fixture(scope="module")
+def rollout(tiny_model, prompt_file):
+    from test_seams import live
+
+    return live(tiny_model, prompt_file).generate(0).samples
+
+
+def test_tis_weights_scale_the_gradient_up_to_the_clip(tiny_model, rollout):
+    import dataclasses
+
+    base = first_step_metrics(tiny_model, rollout)
+    # The engine gave each token 1/1.25 of the trainer's probability: every weight pi_train / pi_engine is 1.25.
+    shifted = [dataclasses.replace(s, rollout_log_probs=[x - math.log(1.25) for x in s.rollout_log_probs])
+               for s in rollout]
+    for clip, weight in ((2.0, 1.25), (1.1, 1.1)):
+        tis = first_step_metrics(tiny_model, shifted, use_tis=True, tis_clip=clip)
+        assert tis["train/tis_mean"] == pytest.approx(weight, rel=1e-4)
+        assert tis["train/tis_clipfrac"] == (1.0 if weight == clip else 0.0)
+        assert tis["train/grad_norm"] == pytest.approx(weight * base["train/grad_norm"], rel=1e-4)
+
+
+def test_the_kl_loss_enters_the_loss_times_its_coefficient(tiny_model, rollout):
+    from miles.utils.models import load_causal_lm
+
+    ref = load_causal_lm(tiny_model, device="cpu", attention_backend="sdpa")
+    with torch.no_grad():
+        ref.get_output_embeddings().weight.mul_(1.5)  # a reference the policy is not
+    m = first_step_metrics(tiny_model, rollout, ref=ref, use_kl_loss=True, kl_loss_coef=0.3)
+    assert abs(m["train/kl_loss"]) > 1e-3
+    assert m["train/loss"] == pytest.approx(m["train/pg_loss"] + 0.3 * m["train/kl_loss"], rel=1e-5, abs=1e-7)
+
+
+def test_the_entropy_metric_of_a_uniform_policy_is_log_vocab(tiny_model, rollout):
+    m = first_step_metrics(tiny_model, rollout, zero_head=True)  # every logit 0
+    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    assert m["train/entropy"] == pytest.approx(math.log(vocab), rel=1e-5)
+
+
 def test_tensorboard_sink(tiny_args):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
