@@ -100,7 +100,8 @@ def test_the_report_draws_the_evaluation_curve(tiny_args, tmp_path, eval_file, c
 
 def test_pass_at_k_counts_prompts_with_any_rewarded_response():
     """A stand-in engine whose responses are fixed: prompt A gets one rewarded response of three, prompt
-    B none, so pass@3 is 1/2 and the mean reward 1/6; the seeds are the evaluation's own streams."""
+    B none, so pass@3 is 1/2 and the mean reward 1/6, the mean length 2; the seeds are the evaluation's own
+    streams."""
     from miles.config import EvalConfig, SamplingParams
     from miles.data.prompts import PromptRecord
     from miles.rollout.engine import GenerationOutput
@@ -113,7 +114,9 @@ def test_pass_at_k_counts_prompts_with_any_rewarded_response():
     class Engine:
         def generate(self, prompts, sampling, seeds, progress=None):
             seen.extend(seeds)
-            return [GenerationOutput([7 + (i == 1)], [-0.5], "stop") for i in range(len(prompts))]
+            # response i: i % 3 tokens 9, then 8 (rewarded) for i == 1 or 7: lengths 1, 2, 3, 1, 2, 3
+            return [GenerationOutput([9] * (i % 3) + [7 + (i == 1)], [-0.5] * (i % 3 + 1), "stop")
+                    for i in range(len(prompts))]
 
     tok = build_tokenizer()
     records = [PromptRecord(prompt="A", label="x"), PromptRecord(prompt="B", label="y")]
@@ -123,6 +126,7 @@ def test_pass_at_k_counts_prompts_with_any_rewarded_response():
                           apply_chat_template=False, seed=5)
     got = evaluator.evaluate(3)
     assert got["eval/s"] == pytest.approx(1 / 6) and got["eval/s/pass@3"] == 0.5
+    assert got["eval/s/response_len"] == 2.0
     assert seen == [eval_seed(5, 3, j) for j in range(6)] and not set(seen) & {sample_seed(5, 3, j) for j in range(6)}
 
 
