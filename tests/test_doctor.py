@@ -798,3 +798,17 @@ def test_unreadable_and_non_utf8_files_do_not_crash_it(capsys, tmp_path, monkeyp
     assert rc == 1 and report["findings"][0]["id"] == "run_crashed"
     assert {"path": str(run / "secret.log"), "why": "Permission denied"} in report["skipped"]
     assert any(r.startswith(str(run / "train.log")) for r in report["read"])
+
+
+def test_a_collapse_is_a_rise_then_a_fall_back_beyond_the_noise():
+    import random
+
+    from miles.debug.doctor.rules import find_collapse
+
+    rise = [k / 32 for k in range(32)]
+    collapsed = find_collapse(rise + [1.0] * 16 + [0.0] * 16)
+    assert collapsed is not None and collapsed[2] > 0.9 and collapsed[3] < 0.1
+    assert find_collapse(rise + [1.0] * 16 + [0.4] * 16) is None  # fell, but not back to where it started
+    assert find_collapse([k / 8 for k in range(8)] + [0.0] * 12) is None  # 20 steps: too few to tell
+    noise = random.Random(0)
+    assert not any(find_collapse([noise.gauss(0, 1) for _ in range(64)]) for _ in range(20))  # noisy flat series
