@@ -211,12 +211,12 @@ class CaseIndex:
         from sklearn.svm import LinearSVC
 
         counts = hashed_counts([as_pasted(c.text) for c in self.cases], DETECTOR_GRAMS)
-        self.gram_tfidf = FrequentTfidf([1, 2]).fit(counts)
+        self.detector_tfidf = FrequentTfidf([1, 2]).fit(counts)
         docs = counts
         if self.profiles:
             docs = vstack([counts, hashed_counts([t for _, t in self.profiles], DETECTOR_GRAMS)]).tocsr()
         return LinearSVC(C=RELEVANCE_C, class_weight="balanced", random_state=0).fit(
-            self.gram_tfidf.transform(docs), is_case + [True] * len(self.profiles))
+            self.detector_tfidf.transform(docs), is_case + [True] * len(self.profiles))
 
     def match(self, text: str) -> Match:
         from scipy.sparse import hstack
@@ -230,7 +230,7 @@ class CaseIndex:
         relevance = 1.0  # no distractors to tell known failures from: every input is one
         if self.detector is not None:
             relevance = float(self.detector.decision_function(
-                self.gram_tfidf.transform(hashed_counts([text], DETECTOR_GRAMS)))[0]) - RELEVANCE_THRESHOLD
+                self.detector_tfidf.transform(hashed_counts([text], DETECTOR_GRAMS)))[0]) - RELEVANCE_THRESHOLD
         closest: dict[str, list[tuple[Case, float]]] = {}
         known = [w for w in tokens(text) if w in self.idf]
         if known:
