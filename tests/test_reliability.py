@@ -93,6 +93,16 @@ def test_consecutive_nan_steps_stop_the_run_with_exit_3(tiny_args, tiny_model):
     assert same_weights(out / "checkpoints" / "step_2", tiny_model)  # no update ever landed
 
 
+def test_nan_steps_apart_do_not_add_up_to_a_stop(tiny_args, monkeypatch):
+    import faulty_rewards
+
+    monkeypatch.setattr(faulty_rewards, "CALLS", 0)
+    argv = with_reward(tiny_args, "nan_every_other_rollout") + ["--num-rollout", "5", "--max-nonfinite-steps", "2"]
+    assert main(argv) == 0
+    metrics_rows = metrics(out_dir(argv))
+    assert [r.get("train/skipped_nonfinite") for r in metrics_rows] == [None, 1.0, None, 1.0, None]
+
+
 def test_a_gradient_that_overflows_is_named_and_not_applied(tiny_args, monkeypatch):
     from miles.train import trainer as trainer_module
 
