@@ -93,10 +93,7 @@ def test_consecutive_nan_steps_stop_the_run_with_exit_3(tiny_args, tiny_model):
     assert same_weights(out / "checkpoints" / "step_2", tiny_model)  # no update ever landed
 
 
-def test_nan_steps_apart_do_not_add_up_to_a_stop(tiny_args, monkeypatch):
-    import faulty_rewards
-
-    monkeypatch.setattr(faulty_rewards, "CALLS", 0)
+def test_nan_steps_apart_do_not_add_up_to_a_stop(tiny_args):
     argv = with_reward(tiny_args, "nan_every_other_rollout") + ["--num-rollout", "5", "--max-nonfinite-steps", "2"]
     assert main(argv) == 0
     metrics_rows = metrics(out_dir(argv))
@@ -313,15 +310,17 @@ def test_leftover_temp_dirs_are_removed_and_old_checkpoints_pruned(tiny_args):
 
 def test_a_checkpoint_holding_nan_is_refused_and_the_last_one_kept(tiny_model, tmp_path):
     # The last guard before disk: whatever let a NaN into the weights, save_checkpoint writes nothing of it.
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from miles.errors import CheckFailed
     from miles.train.checkpoint import find_latest_checkpoint, save_checkpoint
+    from miles.utils.models import load_causal_lm
 
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_model), AutoTokenizer.from_pretrained(tiny_model)
+    model = load_causal_lm(tiny_model, device="cpu", attention_backend="sdpa")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     save_checkpoint(tmp_path, 1, model, tokenizer, {"optimizer": {}})
     with torch.no_grad():
-        model.lm_head.weight[0, 0] = float("nan")
+        model.get_output_embeddings().weight[0, 0] = float("nan")
     with pytest.raises(CheckFailed, match="holds NaN"):
         save_checkpoint(tmp_path, 2, model, tokenizer, {"optimizer": {}})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
